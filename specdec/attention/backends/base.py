@@ -1,0 +1,81 @@
+"""The backend contract: ``supports`` (correctness), ``cost`` (speed), ``plan`` / ``run``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from specdec.attention.shapes import AttnShape, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseBatch:
+    """The requests of one phase of a step, planned once and reused by every layer.
+
+    Queries of the phase are packed: request ``i`` owns query rows
+    ``q_start[i] : q_start[i] + q_lens[i]`` of the phase's slice, at positions
+    ``kv_lens[i] - q_lens[i] ... kv_lens[i] - 1`` (their K/V are already in the
+    cache when attention runs).
+
+    Attributes:
+        q_lens: query tokens per request. ``[num_seqs]``
+        kv_lens: cached tokens per request after this step's writes. ``[num_seqs]``
+        page_tables: physical pages per request, logical order.
+        tokens_per_block: page size.
+        device: where the plan's tensors go.
+    """
+
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    page_tables: tuple[tuple[int, ...], ...]
+    tokens_per_block: int
+    device: torch.device
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+class AttentionBackend:
+    """Base class of attention backends over the paged pool."""
+
+    name: ClassVar[str] = ""
+
+    def supports(self, shape: AttnShape) -> Verdict:  # pragma: no cover - abstract
+        """Whether this backend computes ``shape`` correctly (never a speed judgement)."""
+        raise NotImplementedError
+
+    def cost(self, shape: AttnShape) -> float:
+        """Relative expected time; lower is preferred by automatic selection."""
+        return 1.0
+
+    def plan(self, batch: PhaseBatch) -> Any:  # pragma: no cover - abstract
+        """Turn a phase's requests into this backend's metadata (once per step)."""
+        raise NotImplementedError
+
+    def run(
+        self,
+        plan: Any,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        scale: float,
+        v_head_dim: int,
+    ) -> torch.Tensor:  # pragma: no cover - abstract
+        """Attend the phase's queries over the cache.
+
+        Args:
+            plan: from :meth:`plan`.
+            q: ``[num_tokens, num_heads, head_dim]``.
+            k_cache: ``[num_slots, num_kv_heads, head_dim]``.
+            v_cache: ``[num_slots, num_kv_heads, v_head_dim]``, or ``None`` for a
+                K-only (MLA latent) layer, whose V is ``K[..., :v_head_dim]``.
+            scale: softmax scale, always explicit.
+            v_head_dim: output width per head.
+
+        Returns:
+            ``[num_tokens, num_heads, v_head_dim]``.
+        """
+        raise NotImplementedError

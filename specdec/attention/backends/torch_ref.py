@@ -1,0 +1,83 @@
+"""Torch reference backend: every shape, every phase, on any device.
+
+It gathers each request's context from the pages into a padded batch and calls
+``scaled_dot_product_attention`` with an explicit causal mask over absolute
+positions, so context, single-token decode, multi-token verify and mixed
+batches are one code path. Slow but obviously right; other backends are
+tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.attention.backends.base import AttentionBackend, PhaseBatch
+from specdec.attention.shapes import YES, AttnShape, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class RefPlan:
+    gather: torch.Tensor  # [num_seqs, max_kv] slot ids (padding reads slot 0, masked out)
+    mask: torch.Tensor | None  # [num_seqs, 1, max_q, max_kv] True = attend; None when not needed
+    q_index: torch.Tensor  # [num_seqs, max_q] rows of the packed queries (padding -> row num_tokens)
+    out_index: torch.Tensor  # [num_tokens] rows of the flattened padded output
+    num_tokens: int
+
+
+class TorchRefBackend(AttentionBackend):
+    """Reference attention in plain PyTorch."""
+
+    name = "torch_ref"
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        # Always correct, never fast: the last resort of automatic selection.
+        return 100.0
+
+    def plan(self, batch: PhaseBatch) -> RefPlan:
+        dev, tpb = batch.device, batch.tokens_per_block
+        num_seqs, max_q, max_kv = len(batch.q_lens), max(batch.q_lens), max(batch.kv_lens)
+        gather = torch.zeros(num_seqs, max_kv, dtype=torch.long)
+        q_index = torch.full((num_seqs, max_q), batch.num_tokens, dtype=torch.long)
+        q_pos = torch.zeros(num_seqs, max_q, dtype=torch.long)
+        out_index = torch.empty(batch.num_tokens, dtype=torch.long)
+        offsets = torch.arange(tpb)
+        start = 0
+        for i, (q_len, kv_len, table) in enumerate(zip(batch.q_lens, batch.kv_lens, batch.page_tables)):
+            pages = torch.tensor(table[: -(-kv_len // tpb)], dtype=torch.long)
+            gather[i, :kv_len] = (pages[:, None] * tpb + offsets).flatten()[:kv_len]
+            q_index[i, :q_len] = torch.arange(start, start + q_len)
+            q_pos[i, :q_len] = torch.arange(kv_len - q_len, kv_len)
+            out_index[start : start + q_len] = torch.arange(i * max_q, i * max_q + q_len)
+            start += q_len
+        needs_mask = max_q > 1 or min(batch.kv_lens) != max_kv
+        mask = (torch.arange(max_kv)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1) if needs_mask else None
+        return RefPlan(
+            gather=gather.to(dev),
+            mask=None if mask is None else mask.to(dev),
+            q_index=q_index.to(dev),
+            out_index=out_index.to(dev),
+            num_tokens=batch.num_tokens,
+        )
+
+    def run(self, plan: RefPlan, q, k_cache, v_cache, scale: float, v_head_dim: int) -> torch.Tensor:
+        num_heads = q.shape[1]
+        q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[plan.q_index]  # [B, max_q, H, D]
+        k = k_cache[plan.gather]  # [B, max_kv, Hkv, D]
+        v = (v_cache[plan.gather] if v_cache is not None else k[..., :v_head_dim])  # [B, max_kv, Hkv, Dv]
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=k.shape[2] != num_heads,
+        )  # [B, H, max_q, Dv]
+        out = out.transpose(1, 2).reshape(-1, num_heads, v_head_dim)  # [B * max_q, H, Dv]
+        return out[plan.out_index]

@@ -1,0 +1,80 @@
+"""Pick an attention backend for a phase shape (DESIGN.md §4).
+
+``select`` is the only place a backend is chosen. A requested backend is used
+if it supports the shape and refused with the reason otherwise; it is never
+replaced. Automatic selection takes the cheapest backend whose ``supports``
+says yes, so a performance preference can never pick a backend that cannot
+run the shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from specdec.attention.backends.base import AttentionBackend
+from specdec.attention.backends.torch_ref import TorchRefBackend
+from specdec.attention.shapes import AttnShape
+from specdec.errors import ConfigError, UnsupportedShapeError
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Make ``backend`` available to :func:`select` under ``backend.name``."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def available_backends() -> list[AttentionBackend]:
+    """Every registered backend (each decides its own support, device included)."""
+    return list(_BACKENDS.values())
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The registered backend called ``name``.
+
+    Raises:
+        ConfigError: no backend has that name (the message lists the names).
+    """
+    if name not in _BACKENDS:
+        raise ConfigError(f"attention_backend must be one of {sorted(_BACKENDS)} or None, got {name!r}")
+    return _BACKENDS[name]
+
+
+def select(
+    shape: AttnShape,
+    requested: str | None = None,
+    backends: Iterable[AttentionBackend] | None = None,
+) -> AttentionBackend:
+    """The backend that runs ``shape``.
+
+    Args:
+        shape: one phase of a step.
+        requested: a backend name the user forced, or ``None`` for automatic.
+        backends: candidates (default: every registered backend).
+
+    Returns:
+        ``requested`` if it supports ``shape``; otherwise, when nothing was
+        requested, the supporting backend of lowest ``cost``.
+
+    Raises:
+        UnsupportedShapeError: the requested backend does not support ``shape``,
+            or (automatic) no candidate does; the message names backend, shape and reason.
+    """
+    pool = list(backends) if backends is not None else available_backends()
+    if requested is not None:
+        by_name = {b.name: b for b in pool}
+        if requested not in by_name:
+            raise ConfigError(f"attention_backend must be one of {sorted(by_name)} or None, got {requested!r}")
+        verdict = by_name[requested].supports(shape)
+        if not verdict.ok:
+            raise UnsupportedShapeError(f"attention backend {requested!r} cannot run {shape}: {verdict.reason}")
+        return by_name[requested]
+    ok = [b for b in pool if b.supports(shape).ok]
+    if not ok:
+        reasons = "; ".join(f"{b.name}: {b.supports(shape).reason}" for b in pool)
+        raise UnsupportedShapeError(f"no attention backend supports {shape} ({reasons})")
+    return min(ok, key=lambda b: (b.cost(shape), b.name))
+
+
+register_backend(TorchRefBackend())

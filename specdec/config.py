@@ -1,0 +1,81 @@
+"""Small frozen configs, validated on construction (STYLE.md §6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.errors import ConfigError, InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    Attributes:
+        max_new_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy; > 0 samples from softmax(logits / temperature).
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set whose probability is >= top_p, in (0, 1].
+        stop: strings that end generation; the stop string is not returned.
+        ignore_eos: keep generating past the end-of-sequence token.
+        seed: seed of the request's own random generator (sampling only).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine schedules and caches.
+
+    Attributes:
+        max_draft_tokens: most draft tokens verified per request per step (k).
+        tokens_per_block: KV page size in tokens.
+        num_pages: KV pool capacity in pages; ``None`` sizes it from ``max_batch_tokens``.
+        max_num_seqs: most requests running at once; the rest wait in a queue.
+        attention_backend: a backend name to force, or ``None`` for automatic selection.
+        apply_chat_template: wrap prompts in the target's chat template if it has one.
+        kv_cache_bytes: memory for the KV pool when ``num_pages`` is not given.
+    """
+
+    max_draft_tokens: int = 8
+    tokens_per_block: int = 16
+    num_pages: int | None = None
+    max_num_seqs: int = 64
+    attention_backend: str | None = None
+    apply_chat_template: bool = True
+    kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
+            raise ConfigError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
+        if self.tokens_per_block not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"tokens_per_block must be a power of two in [1, 256], got {self.tokens_per_block!r}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"num_pages must be >= 1 or None, got {self.num_pages!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")

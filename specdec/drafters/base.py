@@ -1,0 +1,141 @@
+"""The :class:`Drafter` protocol, its typed draft result, and the registry.
+
+A drafter proposes tokens for a request; the target verifies them. The engine
+drives every drafter through one explicit request lifecycle::
+
+    start_request(req_id, prompt_token_ids)
+    loop:  propose([req_id, ...], max_tokens) -> [Draft, ...]
+           on_accepted(req_id, accepted_token_ids)
+    stop_request(req_id)
+
+and decides how to cache it only from the hooks below (DESIGN.md §3); it
+never branches on a drafter's class or name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+
+from specdec.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from specdec.kvcache.pool import LayerSpec
+
+HOOKS = ("kv_layer_specs", "reads_managed_ctx_pages", "reads_helix_sharded_ctx_pages", "shift_label")
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """One proposal for one request: a chain, or a tree when ``parents`` is set.
+
+    Attributes:
+        token_ids: drafted token ids, in proposal order. ``[k]``.
+        parents: for trees, the index of each token's parent in ``token_ids``
+            (-1 for a child of the last accepted token); ``None`` means a chain.
+        probs: the drafter's distribution each token was sampled from,
+            ``[k, vocab_size]``; ``None`` means deterministic (one-hot q).
+    """
+
+    token_ids: tuple[int, ...] = ()
+    parents: tuple[int, ...] | None = None
+    probs: "torch.Tensor | None" = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+EMPTY_DRAFT = Draft()
+
+
+class Drafter:
+    """Base class of every drafter; defaults describe a model-free drafter.
+
+    Subclasses override :meth:`propose` and whichever lifecycle methods they
+    need. The hooks (class attributes and methods named in ``HOOKS``) are read
+    by the scheduler at engine build.
+    """
+
+    #: Registry name; set by :func:`register_drafter`.
+    name: ClassVar[str] = ""
+    #: Output slot ``i`` predicts position ``anchor + i + shift_label`` (DESIGN.md §5).
+    shift_label: int = 1
+    #: Whether its attention can read context pages sharded across Helix ranks.
+    reads_helix_sharded_ctx_pages: bool = False
+    #: Vocabulary size the drafter proposes over; ``None`` means "any" (model-free).
+    vocab_size: int | None = None
+
+    def kv_layer_specs(self) -> "tuple[LayerSpec, ...]":
+        """The drafter's own KV layers; empty for model-free drafters."""
+        return ()
+
+    def reads_managed_ctx_pages(self, tokens_per_block: int) -> bool:
+        """Whether its attention reads context KV from managed pages of this size."""
+        return False
+
+    def start_request(self, req_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """Begin tracking a request whose prompt is ``prompt_token_ids``."""
+
+    def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
+        """Propose up to ``max_tokens`` tokens for each request (``[] `` drafts allowed)."""
+        return [EMPTY_DRAFT for _ in req_ids]
+
+    def on_accepted(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Tokens the target emitted for ``req_id`` this step (accepted + bonus)."""
+
+    def stop_request(self, req_id: str) -> None:
+        """Forget a finished or aborted request."""
+
+
+_REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    """Class decorator: make a drafter constructible by ``name``."""
+
+    def wrap(cls: type[Drafter]) -> type[Drafter]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ConfigError(f"drafter name {name!r} is already registered to {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_drafters() -> list[str]:
+    """Names accepted by :func:`make_drafter`."""
+    return sorted(_REGISTRY)
+
+
+def make_drafter(name: str, **kwargs) -> Drafter:
+    """Build a registered drafter by name.
+
+    Raises:
+        ConfigError: ``name`` is not registered (the message lists the names).
+    """
+    if name not in _REGISTRY:
+        raise ConfigError(f"drafter must be one of {available_drafters()}, got {name!r}")
+    return _REGISTRY[name](**kwargs)
+
+
+def check_hooks(drafter: object) -> None:
+    """Raise :class:`MissingHookError` naming the first hook ``drafter`` lacks."""
+    from specdec.errors import MissingHookError
+
+    for hook in HOOKS:
+        if not hasattr(drafter, hook):
+            raise MissingHookError(
+                f"drafter {type(drafter).__name__} does not declare the hook {hook!r} "
+                f"(every drafter must declare {', '.join(HOOKS)}; subclass specdec.drafters.Drafter)"
+            )
+
+
+@register_drafter("null")
+class NullDrafter(Drafter):
+    """Proposes nothing (k = 0): the engine then decodes one token per step.
+
+    Every lossless test compares a drafter against this one on the same engine.
+    """

@@ -1,0 +1,387 @@
+"""`SpecEngine`: speculative decoding over a target and a drafter.
+
+One step is: schedule, draft, run the target once over every scheduled token,
+verify, post-process. ``generate`` loops steps for a list of prompts; a
+serving stack calls ``add_request`` / ``step`` / ``abort`` itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence as Seq
+
+import torch
+
+from specdec.attention.metadata import AttentionMetadata, plan_step
+from specdec.attention.selector import get_backend
+from specdec.config import EngineConfig, SamplingParams
+from specdec.drafters.base import Draft, Drafter, NullDrafter, check_hooks
+from specdec.errors import InvalidRequestError, PromptTooLongError, VocabMismatchError
+from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget
+from specdec.scheduler import ScheduledBatch, Scheduler, decide_kv_sharing
+from specdec.sequence import GenerationOutput, Sequence, Status, StepOutput
+from specdec.verify import greedy_verify, logits_to_probs, rejection_sample
+
+
+class SpecEngine:
+    """Speculative decoding engine: lossless with respect to ``target`` alone.
+
+    Args:
+        target: the model to reproduce (see :class:`specdec.target.Target`).
+        drafter: proposes tokens; ``None`` means :class:`NullDrafter` (plain decoding).
+        config: engine settings; keyword ``overrides`` replace its fields.
+
+    Raises:
+        MissingHookError: the drafter lacks a hook the scheduler needs.
+        VocabMismatchError: the drafter's vocabulary differs from the target's.
+        ConfigError / UnsupportedShapeError: a forced attention backend is unknown
+            or cannot run this target's shapes.
+    """
+
+    def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None, **overrides):
+        self.target = target
+        self.drafter = drafter if drafter is not None else NullDrafter()
+        cfg = config or EngineConfig()
+        self.config = cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, **overrides}) if overrides else cfg
+        check_hooks(self.drafter)
+        if self.drafter.vocab_size is not None and self.drafter.vocab_size != target.vocab_size:
+            raise VocabMismatchError(
+                f"drafter vocab_size must equal the target's ({target.vocab_size}), got {self.drafter.vocab_size}"
+            )
+        tpb = cfg.tokens_per_block
+        draft_specs = tuple(self.drafter.kv_layer_specs())
+        self.kv_decision = decide_kv_sharing(draft_specs, self.drafter.reads_managed_ctx_pages,
+                                             self.drafter.reads_helix_sharded_ctx_pages, tpb)
+        specs = list(target.layer_specs())
+        per_token = sum(s.bytes_per_token for s in specs) + (
+            sum(s.bytes_per_token for s in draft_specs) if self.kv_decision.shared else 0)
+        num_pages = cfg.num_pages or num_pages_for_budget(cfg.kv_cache_bytes, per_token, tpb)
+        self.pool = KVPool(specs, num_pages, tpb, device=target.device)
+        if self.kv_decision.shared:
+            self.pool.add_layers(draft_specs)
+        self.manager = KVCacheManager(num_pages, tpb)
+        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs)
+        self._check_forced_backend()
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._last_backends: dict[str, str] = {}
+        self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
+
+    # -- public API ------------------------------------------------------------
+    @property
+    def kv_layout(self) -> dict:
+        """Which pools exist, which layers each holds, and why."""
+        return {
+            "pools": [{"name": "target", "tokens_per_block": self.pool.tokens_per_block,
+                       "num_pages": self.pool.num_pages, "target_layers": self.pool.layer_ids("target"),
+                       "draft_layers": self.pool.layer_ids("draft"), "bytes_per_token": self.pool.bytes_per_token}],
+            "shared": self.kv_decision.shared,
+            "reason": self.kv_decision.reason,
+        }
+
+    @property
+    def attention_backends(self) -> dict[str, str]:
+        """Backend that ran each phase of the last step (``{"context": ..., "generation": ...}``)."""
+        return dict(self._last_backends)
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    req_id: str | None = None, chat: bool | None = None) -> str:
+        """Queue one request; running requests are not disturbed if it is invalid.
+
+        Args:
+            prompt: text, or token ids as the target should see them.
+            params: sampling parameters (greedy, 256 tokens by default).
+            req_id: an id of your own (must be unused).
+            chat: apply the target's chat template to a text prompt
+                (default: ``EngineConfig.apply_chat_template``).
+
+        Returns:
+            The request id.
+
+        Raises:
+            InvalidRequestError: empty prompt, bad token ids, a used ``req_id``.
+            PromptTooLongError: the prompt does not fit the model's context or the pool.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._tokenize(prompt, self.config.apply_chat_template if chat is None else chat)
+        req_id = str(next(self._ids)) if req_id is None else str(req_id)
+        if req_id in self._seqs:
+            raise InvalidRequestError(f"req_id {req_id!r} is already in use")
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        seq = Sequence(req_id, ids, params, generator=gen)
+        self._seqs[req_id] = seq
+        self.drafter.start_request(req_id, ids)
+        self.scheduler.add(seq)
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        """Stop a request now; its pages are freed and its output keeps what it has."""
+        seq = self._seqs.get(str(req_id))
+        if seq is None or seq.status is Status.FINISHED:
+            return
+        self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def output(self, req_id: str) -> GenerationOutput:
+        """The request's output so far (final once it finished)."""
+        seq = self._seqs[str(req_id)]
+        return GenerationOutput(seq.req_id, tuple(seq.prompt_ids), tuple(seq.output_ids), self._text(seq),
+                                seq.finish_reason, seq.stats)
+
+    def release(self, req_id: str) -> GenerationOutput:
+        """Return a finished request's output and forget it."""
+        out = self.output(req_id)
+        if self._seqs[str(req_id)].status is Status.FINISHED:
+            del self._seqs[str(req_id)]
+        return out
+
+    def step(self) -> list[StepOutput]:
+        """Run one engine step and return each scheduled request's new tokens."""
+        batch = self.scheduler.schedule(self._draft_budget)
+        if not batch:
+            return self._unschedulable()
+        drafts = self._propose(batch)
+        ids, positions, attn = self._prepare(batch, drafts)
+        logits = self._run(ids, positions, attn, batch, drafts)
+        emitted = self._verify(batch, drafts, logits)
+        return self._postprocess(batch, drafts, emitted)
+
+    def generate(self, prompts: str | Iterable[str | Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 chat: bool | None = None, progress: bool = False, **param_overrides) -> list[GenerationOutput]:
+        """Generate for many prompts at once, batching them step by step.
+
+        Args:
+            prompts: texts or token-id lists (one string is one prompt).
+            params: one ``SamplingParams`` for all, or one per prompt.
+            chat: apply the chat template (default: the engine config's choice).
+            progress: show a progress bar of generated tokens.
+            **param_overrides: ``SamplingParams`` fields, e.g. ``max_new_tokens=64``.
+
+        Returns:
+            One output per prompt, in order.
+
+        Raises:
+            InvalidRequestError: empty prompt list, an empty prompt, or bad parameters.
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise InvalidRequestError("prompts must be a non-empty list of strings or token-id lists, got []")
+        if param_overrides:
+            base = params if isinstance(params, SamplingParams) else SamplingParams()
+            params = SamplingParams(**{**{f: getattr(base, f) for f in base.__slots__}, **param_overrides})
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"params must be one SamplingParams or {len(prompts)} of them, got {len(plist)}")
+        for p in prompts:  # validate everything before queueing anything
+            self._tokenize(p, self.config.apply_chat_template if chat is None else chat)
+        req_ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist)]
+        bar = _progress(sum(sp.max_new_tokens for sp in plist)) if progress else None
+        pending = set(req_ids)
+        while pending:
+            for out in self.step():
+                if bar is not None:
+                    bar.update(len(out.new_token_ids))
+                if out.finished:
+                    pending.discard(out.req_id)
+        if bar is not None:
+            bar.close()
+        return [self.release(r) for r in req_ids]
+
+    # -- step parts ------------------------------------------------------------
+    def _draft_budget(self, seq: Sequence) -> int:
+        left = min(seq.params.max_new_tokens - seq.num_output, self.target.max_context - len(seq.tokens))
+        return max(0, min(self.config.max_draft_tokens, left - 1))
+
+    def _propose(self, batch: ScheduledBatch) -> list[Draft]:
+        t0 = time.perf_counter()
+        asking = [(s, b) for s, b in zip(batch.generation, batch.budgets) if b > 0]
+        drafts = {}
+        if asking:
+            proposed = self.drafter.propose([s.req_id for s, _ in asking], max(b for _, b in asking))
+            for (s, b), d in zip(asking, proposed):
+                drafts[s.req_id] = d if len(d) <= b else Draft(d.token_ids[:b], None, None if d.probs is None else d.probs[:b])
+        out = [drafts.get(s.req_id, Draft()) for s in batch.generation]
+        for s, d in zip(batch.generation, out):  # give back reserved slots the drafts did not use
+            self.manager.truncate(s.req_id, s.num_cached + 1 + len(d))
+        self.timings["draft_s"] += time.perf_counter() - t0
+        return out
+
+    def _prepare(self, batch: ScheduledBatch, drafts: list[Draft]):
+        ids, positions, slots, ctx, gen = [], [], [], [], []
+        for seq, draft, group in itertools.chain(((s, None, ctx) for s in batch.context),
+                                                 ((s, d, gen) for s, d in zip(batch.generation, drafts))):
+            fed = seq.tokens[seq.num_cached:] + (list(draft.token_ids) if draft else [])
+            start, stop = seq.num_cached, seq.num_cached + len(fed)
+            ids += fed
+            positions += range(start, stop)
+            slots += self.manager.slots(seq.req_id, start, stop)
+            group.append((len(fed), stop, tuple(self.manager.page_table(seq.req_id))))
+        dev = self.target.device
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        tpb = self.config.tokens_per_block
+
+        def shape_of(phase: str, max_q: int, mixed: bool):
+            return self.target.attn_shape(phase, max_q, tpb, mixed)
+
+        attn = plan_step(ctx, gen, slot_mapping, shape_of, tpb, self.config.attention_backend)
+        self._last_backends = attn.backends
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev), attn)
+
+    def _run(self, ids, positions, attn: AttentionMetadata, batch: ScheduledBatch, drafts: list[Draft]) -> torch.Tensor:
+        """One target forward; logits of the rows that are verified. ``[num_rows, vocab]``."""
+        t0 = time.perf_counter()
+        rows, offset = [], 0
+        for seq in batch.context:
+            offset += len(seq.tokens) - seq.num_cached
+            rows.append(offset - 1)
+        for seq, d in zip(batch.generation, drafts):
+            n = len(seq.tokens) - seq.num_cached + len(d)
+            rows += range(offset + n - 1 - len(d), offset + n)
+            offset += n
+        with torch.inference_mode():
+            hidden, _ = self.target.forward(ids, positions, attn, self.pool)
+            logits = self.target.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        self.timings["forward_s"] += time.perf_counter() - t0
+        return logits
+
+    def _verify(self, batch: ScheduledBatch, drafts: list[Draft], logits: torch.Tensor) -> list[list[int]]:
+        t0 = time.perf_counter()
+        seqs = batch.context + batch.generation
+        all_drafts = [Draft()] * len(batch.context) + drafts
+        greedy = all(s.params.greedy for s in seqs)
+        argmax = logits.argmax(-1).tolist() if greedy else None
+        emitted, row = [], 0
+        for seq, d in zip(seqs, all_drafts):
+            n = len(d) + 1
+            if seq.params.greedy:
+                am = argmax[row:row + n] if argmax is not None else logits[row:row + n].argmax(-1).tolist()
+                emitted.append(greedy_verify(am, d.token_ids))
+            else:
+                p = logits_to_probs(logits[row:row + n], seq.params)
+                q = None if d.probs is None else d.probs.float().cpu()
+                emitted.append(rejection_sample(p.cpu(), d.token_ids, q, seq.generator))
+            row += n
+        self.timings["verify_s"] += time.perf_counter() - t0
+        return emitted
+
+    def _postprocess(self, batch: ScheduledBatch, drafts: list[Draft], emitted: list[list[int]]) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        outs = []
+        all_drafts = [Draft()] * len(batch.context) + drafts
+        num_ctx = len(batch.context)
+        for i, (seq, d, toks) in enumerate(zip(batch.context + batch.generation, all_drafts, emitted)):
+            seq.stats.target_steps += 1
+            if i >= num_ctx:  # a generation step: record what speculation bought
+                seq.stats.accepted_lengths.append(len(toks))
+                seq.stats.drafted += len(d)
+                seq.stats.accepted += len(toks) - 1
+            new = self._append(seq, toks)
+            if seq.status is not Status.FINISHED:
+                seq.num_cached = len(seq.tokens) - 1
+                self.manager.truncate(seq.req_id, seq.num_cached)
+                self.drafter.on_accepted(seq.req_id, new)
+            outs.append(StepOutput(seq.req_id, tuple(new), seq.status is Status.FINISHED, seq.finish_reason))
+        self.timings["steps"] += 1
+        self.timings["host_s"] += time.perf_counter() - t0
+        return outs
+
+    # -- helpers -------------------------------------------------------------
+    def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
+        """Append emitted tokens one by one, stopping exactly where a stop rule fires."""
+        p, new = seq.params, []
+        for tok in toks:
+            seq.tokens.append(tok)
+            new.append(tok)
+            reason = None
+            if not p.ignore_eos and tok in self.target.eos_token_ids:
+                reason = "eos"
+            elif p.stop and self._hits_stop(seq):
+                reason = "stop"
+            elif seq.num_output >= p.max_new_tokens:
+                reason = "length"
+            elif len(seq.tokens) >= self.target.max_context:
+                reason = "max_context"
+            if reason:
+                self._finish(seq, reason)
+                break
+        return new
+
+    def _hits_stop(self, seq: Sequence) -> bool:
+        tail = self.target.tokenizer.decode(seq.output_ids[-(8 + max(len(s) for s in seq.params.stop)):])
+        return any(s in tail for s in seq.params.stop)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.finish(reason)
+        self.drafter.stop_request(seq.req_id)
+
+    def _text(self, seq: Sequence) -> str:
+        tok = self.target.tokenizer
+        if tok is None:
+            return ""
+        text = tok.decode(seq.output_ids, skip_special_tokens=True)
+        if seq.finish_reason == "stop":
+            cut = [text.find(s) for s in seq.params.stop if s in text]
+            text = text[: min(cut)] if cut else text
+        return text
+
+    def _unschedulable(self) -> list[StepOutput]:
+        """Nothing fits although requests wait: the head request can never fit the pool."""
+        if self.scheduler.waiting and not self.scheduler.running:
+            seq = self.scheduler.waiting[0]
+            self._finish(seq, "kv_capacity")
+            return [StepOutput(seq.req_id, (), True, seq.finish_reason)]
+        return []
+
+    def _tokenize(self, prompt, chat: bool) -> list[int]:
+        tok = self.target.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must be a non-empty string or token-id list, got ''")
+            if tok is None:
+                raise InvalidRequestError("this target has no tokenizer: prompt must be a list of token ids")
+            if chat and getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+            else:
+                ids = tok(prompt)["input_ids"]
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt must be a non-empty string or token-id list, got []")
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.target.vocab_size}), got {bad[:5]}")
+        if len(ids) >= self.target.max_context:
+            raise PromptTooLongError(
+                f"prompt length must be < the model's max context {self.target.max_context} tokens, got {len(ids)}")
+        if -(-len(ids) // self.config.tokens_per_block) > self.manager.num_pages:
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the KV pool of "
+                                     f"{self.manager.num_pages} pages x {self.config.tokens_per_block} tokens")
+        return ids
+
+    def _check_forced_backend(self) -> None:
+        name = self.config.attention_backend
+        if name is None:
+            return
+        from specdec.attention.selector import select
+
+        get_backend(name)
+        for phase, q in (("context", 1), ("generation", 1), ("generation", 1 + self.config.max_draft_tokens)):
+            select(self.target.attn_shape(phase, q, self.config.tokens_per_block), requested=name)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="tok", desc="generate")

@@ -1,0 +1,242 @@
+"""Llama-family target (Llama, Mistral, Qwen2/3, SmolLM) on the paged cache.
+
+Weights are plain tensors in HF layout, with Q/K/V and gate/up fused into one
+matmul each. Attention goes through the step's :class:`AttentionMetadata`, so
+the same forward serves context, decode, verify and mixed batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec.attention.shapes import AttnShape
+from specdec.errors import CheckpointError, ConfigError
+from specdec.kvcache.pool import LayerSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """The fields of an HF ``config.json`` a Llama-family target needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+        """Read an HF ``config.json`` dict.
+
+        Raises:
+            ConfigError: unsupported ``model_type`` or rope scaling.
+        """
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"config.json model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]``, with linear or Llama-3 scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    kind = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(is_mid, mid, scaled)
+    raise ConfigError(f"rope_scaling type must be one of ['default', 'linear', 'llama3'], got {kind!r}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as HF Llama does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x``: ``[T, heads, D]``; ``cos``/``sin``: ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(slots=True)
+class _Layer:
+    w_qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor  # [hidden, H * D]
+    w_gate_up: torch.Tensor  # [2 * inter, hidden]
+    w_down: torch.Tensor  # [hidden, inter]
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class LlamaTarget:
+    """A Llama-family causal LM on specdec's paged KV cache.
+
+    Args:
+        config: model configuration.
+        weights: HF-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...).
+        tokenizer: a ``transformers`` tokenizer, or ``None``.
+        name: shown in stats and errors.
+        dtype: compute and cache dtype.
+        device: where to run.
+
+    Raises:
+        CheckpointError: a weight is missing or has the wrong shape.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], tokenizer: Any = None,
+                 name: str = "llama", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.config, self.tokenizer, self.name = config, tokenizer, name
+        self.dtype, self.device = dtype, torch.device(device)
+        self.vocab_size = config.vocab_size
+        self.max_context = config.max_position_embeddings
+        self.eos_token_ids = config.eos_token_ids
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self._load(weights)
+        self.scale = config.head_dim ** -0.5
+        pos = torch.arange(self.max_context, dtype=torch.float32)
+        freqs = torch.outer(pos, rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_context, D]
+        self._cos = emb.cos().to(dtype=dtype, device=self.device)
+        self._sin = emb.sin().to(dtype=dtype, device=self.device)
+
+    def _load(self, w: dict[str, torch.Tensor]) -> None:
+        cfg = self.config
+
+        def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+            if name not in w:
+                raise CheckpointError(f"checkpoint is missing weight {name!r}")
+            t = w[name]
+            if shape is not None and tuple(t.shape) != shape:
+                raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            return t.to(dtype=self.dtype, device=self.device)
+
+        hd, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.embed = get("model.embed_tokens.weight", (cfg.vocab_size, hd))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, hd))
+        self.final_norm = get("model.norm.weight", (hd,))
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = [get(a + "q_proj.weight", (H * D, hd)), get(a + "k_proj.weight", (Hkv * D, hd)), get(a + "v_proj.weight", (Hkv * D, hd))]
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([get(a + f"{n}_proj.bias", (s,)) for n, s in (("q", H * D), ("k", Hkv * D), ("v", Hkv * D))])
+            self.layers.append(_Layer(
+                w_qkv=torch.cat(qkv), b_qkv=bias,
+                w_o=get(a + "o_proj.weight", (hd, H * D)),
+                w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, hd)),
+                                     get(p + "mlp.up_proj.weight", (cfg.intermediate_size, hd))]),
+                w_down=get(p + "mlp.down_proj.weight", (hd, cfg.intermediate_size)),
+                norm_in=get(p + "input_layernorm.weight", (hd,)),
+                norm_post=get(p + "post_attention_layernorm.weight", (hd,)),
+                q_norm=get(a + "q_norm.weight", (D,)) if cfg.qk_norm else None,
+                k_norm=get(a + "k_norm.weight", (D,)) if cfg.qk_norm else None,
+            ))
+
+    # -- protocol ------------------------------------------------------------
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        c = self.config
+        spec = LayerSpec("gqa", c.num_key_value_heads, c.head_dim, self.dtype)
+        return (spec,) * c.num_hidden_layers
+
+    def attn_shape(self, phase: str, max_q_len: int, tokens_per_block: int, mixed: bool = False) -> AttnShape:
+        c, dt = self.config, str(self.dtype).removeprefix("torch.")
+        sm = None
+        if self.device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.device)
+            sm = major * 10 + minor
+        return AttnShape(phase, "gqa", c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim,
+                         tokens_per_block, max_q_len, dt, dt, self.device.type, sm, 1, mixed)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` → ``[T, hidden_size]``."""
+        return self.embed[input_ids]
+
+    def forward(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
+        c = self.config
+        T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [T, 1, D]
+        x = self.embed[input_ids]  # [T, hidden]
+        wanted, captured = set(hidden_layer_ids), {}
+        for i, L in enumerate(self.layers):
+            h = rms_norm(x, L.norm_in, c.rms_norm_eps)
+            qkv = F.linear(h, L.w_qkv, L.b_qkv)  # [T, (H + 2 Hkv) * D]
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+            if L.q_norm is not None:
+                q, k = rms_norm(q, L.q_norm, c.rms_norm_eps), rms_norm(k, L.k_norm, c.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = attn.attend(q, k, v, pool.k[i], pool.v[i], self.scale, D)  # [T, H, D]
+            x = x + F.linear(o.reshape(T, H * D), L.w_o)
+            h = rms_norm(x, L.norm_post, c.rms_norm_eps)
+            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L.w_down)
+            if i in wanted:
+                captured[i] = x
+        return x, captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,210 @@
+"""Verification of drafted tokens against the target (DESIGN.md §6).
+
+Pure functions, no engine state. Words used throughout:
+
+- **accepted tokens**: the leading drafts the target keeps;
+- **recovered token**: the token sampled in place of the first rejected draft;
+- **bonus token**: the target's own next token after the last draft when every
+  draft was accepted.
+
+A verify step over ``k`` drafts therefore emits ``accepted + 1`` tokens, between
+1 and ``k + 1``: the accepted drafts, then one recovered or bonus token.
+
+Shapes: ``k`` drafts, ``vocab`` = vocabulary size; the target scores ``k + 1``
+positions (the last accepted token and each draft).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from specdec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specdec.config import SamplingParams
+    from specdec.drafters.base import Draft
+
+__all__ = ["greedy_verify", "logits_to_probs", "rejection_sample", "verify_draft"]
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn target logits into the distribution ``p`` that sampling draws from.
+
+    Applies, in order: temperature, top-k, top-p (nucleus), then renormalises.
+    The baseline (null drafter) and the speculative path both call this, so
+    ``p`` is shaped identically in both (DESIGN.md §6).
+
+    Top-p keeps the smallest prefix of the descending-sorted probabilities whose
+    mass is ``>= top_p``; the most likely token is always kept. Top-k keeps
+    exactly ``top_k`` tokens (ties broken by :func:`torch.topk`).
+
+    Args:
+        logits: ``[n, vocab]`` target logits, any float dtype.
+        params: sampling parameters; ``params.temperature`` must be > 0.
+
+    Returns:
+        ``[n, vocab]`` fp32 probabilities; every row sums to 1.
+
+    Raises:
+        ConfigError: ``params.temperature`` is 0 (greedy decoding uses the argmax).
+    """
+    if params.greedy:
+        raise ConfigError("temperature must be > 0 for logits_to_probs; greedy decoding (temperature 0) uses argmax")
+    logits = logits.float() / params.temperature  # [n, vocab]
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        top = logits.topk(params.top_k, dim=-1)  # [n, top_k]
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+    probs = logits.softmax(dim=-1)  # [n, vocab]
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [n, vocab] each
+        # Mass strictly before each sorted token: keep while it is still < top_p.
+        cumulative = sorted_probs.cumsum(dim=-1)  # [n, vocab]
+        mass_before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)  # [n, vocab]
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # the top token always survives
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # [n, vocab], unsorted
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def greedy_verify(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> list[int]:
+    """Greedy verification: the longest matching prefix, then the target's token.
+
+    Args:
+        target_argmax: ``[k + 1]`` the target's argmax at each verified position.
+        draft_tokens: ``[k]`` the drafted tokens.
+
+    Returns:
+        The emitted tokens: the accepted drafts (those equal to the target's
+        argmax, up to the first mismatch) followed by the target's argmax at the
+        next position (the recovered token on a mismatch, the bonus token when
+        all drafts match). Length in ``[1, k + 1]``.
+
+    Raises:
+        ValueError: ``len(target_argmax) != len(draft_tokens) + 1``.
+    """
+    target = _as_list(target_argmax)
+    drafts = _as_list(draft_tokens)
+    if len(target) != len(drafts) + 1:
+        raise ValueError(f"target_argmax must have len(draft_tokens) + 1 = {len(drafts) + 1} entries, got {len(target)}")
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return drafts[:n] + [target[n]]
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_tokens: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Speculative sampling: emits tokens distributed exactly as the target's ``p``.
+
+    Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+    Decoding" (arXiv:2211.17192); Chen et al. 2023, "Accelerating Large Language
+    Model Decoding with Speculative Sampling" (arXiv:2302.01318).
+
+    Draft ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``.
+    The first rejected draft is replaced by a **recovered token** sampled from
+    ``norm(max(0, p_i - q_i))`` and verification stops there. If every draft is
+    **accepted**, a **bonus token** is sampled from ``p_k``. A deterministic
+    drafter (``draft_probs is None``) has a one-hot ``q``: ``x_i`` is accepted
+    with probability ``p_i(x_i)`` and the recovered token comes from ``p_i``
+    with ``x_i`` zeroed out. If the residual has no mass (``p <= q`` everywhere,
+    which only rounding can produce), the recovered token is sampled from ``p_i``.
+
+    Draws ``k`` uniforms and ``vocab`` exponentials from ``generator`` per call, so
+    the result is a deterministic function of the generator's state.
+
+    Args:
+        target_probs: ``[k + 1, vocab]`` target distributions ``p`` (e.g. from
+            :func:`logits_to_probs`), one per verified position.
+        draft_tokens: ``[k]`` the drafted tokens, ``x_i ~ q_i``.
+        draft_probs: ``[k, vocab]`` the drafter's distributions ``q``, or ``None``
+            for a deterministic drafter.
+        generator: random generator on ``target_probs.device``; ``None`` uses
+            torch's global generator.
+
+    Returns:
+        The emitted tokens: accepted drafts, then one recovered or bonus token.
+        Length in ``[1, k + 1]``.
+
+    Raises:
+        ValueError: the shapes of the arguments disagree.
+    """
+    p = target_probs.float()  # [k + 1, vocab]
+    drafts = _as_list(draft_tokens)
+    k = len(drafts)
+    _check_shapes(p, k, draft_probs)
+    x = torch.tensor(drafts, dtype=torch.long, device=p.device)  # [k]
+    rows = torch.arange(k, device=p.device)  # [k]
+    p_x = p[rows, x]  # [k]
+    q_x = draft_probs.float()[rows, x] if draft_probs is not None else torch.ones_like(p_x)  # [k]
+    u = torch.rand(k, generator=generator, device=p.device)  # [k]
+    accepted = (u * q_x < p_x).tolist()  # u < p/q: accept w.p. min(1, p/q), and q = 0 never divides
+    n = accepted.index(False) if False in accepted else k  # length of the accepted prefix
+    if n == k:
+        weights = p[k]  # [vocab], bonus
+    elif draft_probs is not None:
+        weights = (p[n] - draft_probs[n].float()).clamp_min(0.0)  # [vocab], recovered
+    else:
+        weights = p[n].index_fill(0, x[n : n + 1], 0.0)  # [vocab], max(0, p - onehot(x)) = p with x zeroed
+    if n < k and not float(weights.sum()) > 0:
+        weights = p[n]  # the residual has no mass only through rounding (p == q)
+    return drafts[:n] + [_sample(weights, generator)]
+
+
+def verify_draft(
+    target_logits: torch.Tensor,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Verify one request's chain draft: greedy or sampling, by ``params``.
+
+    Args:
+        target_logits: ``[k + 1, vocab]`` target logits at the last accepted token
+            and at each draft.
+        draft: the request's chain draft (``k`` tokens, ``parents is None``).
+        params: the request's sampling parameters.
+        generator: the request's generator (sampling only).
+
+    Returns:
+        The emitted tokens (see :func:`rejection_sample`), length in ``[1, k + 1]``.
+
+    Raises:
+        ValueError: ``draft`` is a tree, or the shapes disagree.
+    """
+    if draft.parents is not None:
+        raise ValueError("verify_draft verifies chain drafts only; got a tree draft (parents is set)")
+    if params.greedy:
+        return greedy_verify(target_logits.argmax(dim=-1).tolist(), draft.token_ids)
+    probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]
+    return rejection_sample(probs, draft.token_ids, draft.probs, generator)
+
+
+def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token with probability proportional to ``weights`` ``[vocab]`` (need not sum to 1).
+
+    The exponential race: ``argmax(w / E)`` with ``E_i ~ Exp(1)`` i.i.d. picks ``i``
+    with probability ``w_i / sum(w)``; no normalisation, zero weights never win.
+    """
+    race = torch.empty_like(weights).exponential_(generator=generator)  # [vocab]
+    race.clamp_min_(torch.finfo(race.dtype).tiny)  # an exact 0 would make 0 / 0 = nan win argmax
+    return int((weights / race).argmax())
+
+
+def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+
+
+def _check_shapes(p: torch.Tensor, k: int, q: torch.Tensor | None) -> None:
+    if p.dim() != 2 or p.shape[0] != k + 1:
+        raise ValueError(f"target_probs must be [k + 1, vocab] = [{k + 1}, vocab], got {list(p.shape)}")
+    if q is not None and tuple(q.shape) != (k, p.shape[1]):
+        raise ValueError(f"draft_probs must be [k, vocab] = [{k}, {p.shape[1]}] or None, got {list(q.shape)}")

@@ -1,0 +1,58 @@
+"""Shared fixtures: the real SmolLM2 target (loaded once) and tiny HF checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.attention.metadata import plan_step
+from specdec.kvcache import KVCacheManager, KVPool
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct, fp32 on the CPU (converted once, then cached)."""
+    from specdec.target import load_target
+
+    return load_target("smollm2-135m")
+
+
+class PagedRunner:
+    """Feeds chunks of tokens through a target over its own paged cache, like the engine does."""
+
+    def __init__(self, target, num_pages: int = 64, tokens_per_block: int = 4):
+        self.target, self.tpb = target, tokens_per_block
+        self.pool = KVPool(target.layer_specs(), num_pages, tokens_per_block, device=target.device)
+        self.manager = KVCacheManager(num_pages, tokens_per_block)
+
+    def step(self, chunks: dict[str, list[int]], context: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Append ``chunks[req]`` to each request; return logits ``[len(chunk), vocab]`` per request."""
+        ids, pos, slots, ctx, gen, order = [], [], [], [], [], []
+        for phase_ctx in (True, False):
+            for req, toks in chunks.items():
+                if (req in context) != phase_ctx:
+                    continue
+                if req not in self.manager:
+                    self.manager.allocate(req, 0)
+                start = self.manager.length(req)
+                self.manager.append(req, len(toks))
+                ids += toks
+                pos += range(start, start + len(toks))
+                slots += self.manager.slots(req, start, start + len(toks))
+                (ctx if phase_ctx else gen).append((len(toks), start + len(toks), tuple(self.manager.page_table(req))))
+                order.append((req, len(toks)))
+        shape_of = lambda phase, q, mixed: self.target.attn_shape(phase, q, self.tpb, mixed)  # noqa: E731
+        attn = plan_step(ctx, gen, torch.tensor(slots), shape_of, self.tpb)
+        with torch.inference_mode():
+            hidden, _ = self.target.forward(torch.tensor(ids), torch.tensor(pos), attn, self.pool)
+            logits = self.target.compute_logits(hidden)
+        out, row = {}, 0
+        for req, n in order:
+            out[req] = logits[row:row + n]
+            row += n
+        return out
+
+
+@pytest.fixture
+def paged_runner():
+    return PagedRunner
