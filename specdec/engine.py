@@ -19,6 +19,7 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.base import Draft, Drafter, NullDrafter, check_hooks
 from specdec.errors import InvalidRequestError, PromptTooLongError, VocabMismatchError
 from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget
+from specdec.kvcache.draft_kv import DraftKV
 from specdec.scheduler import ScheduledBatch, Scheduler, decide_kv_sharing
 from specdec.sequence import GenerationOutput, Sequence, Status, StepOutput
 from specdec.verify import greedy_verify, logits_to_probs, rejection_sample
@@ -58,9 +59,9 @@ class SpecEngine:
             sum(s.bytes_per_token for s in draft_specs) if self.kv_decision.shared else 0)
         num_pages = cfg.num_pages or num_pages_for_budget(cfg.kv_cache_bytes, per_token, tpb)
         self.pool = KVPool(specs, num_pages, tpb, device=target.device)
-        if self.kv_decision.shared:
-            self.pool.add_layers(draft_specs)
         self.manager = KVCacheManager(num_pages, tpb)
+        self.draft_kv = self._draft_kv(draft_specs)
+        self.drafter.bind(target, self.draft_kv)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs)
         self._check_forced_backend()
         self._seqs: dict[str, Sequence] = {}
@@ -69,16 +70,29 @@ class SpecEngine:
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
 
     # -- public API ------------------------------------------------------------
+    def _draft_kv(self, draft_specs) -> DraftKV | None:
+        """Place the drafter's KV layers as the sharing decision says."""
+        if not draft_specs:
+            return None
+        if self.kv_decision.shared:
+            return DraftKV(self.pool, self.pool.add_layers(draft_specs), self.manager, shared=True)
+        tpb = self.kv_decision.draft_tokens_per_block
+        pages = -(-self.pool.capacity_tokens // tpb)
+        pool = KVPool(draft_specs, pages, tpb, device=self.target.device)
+        return DraftKV(pool, range(len(draft_specs)), KVCacheManager(pages, tpb), shared=False)
+
     @property
     def kv_layout(self) -> dict:
-        """Which pools exist, which layers each holds, and why."""
-        return {
-            "pools": [{"name": "target", "tokens_per_block": self.pool.tokens_per_block,
-                       "num_pages": self.pool.num_pages, "target_layers": self.pool.layer_ids("target"),
-                       "draft_layers": self.pool.layer_ids("draft"), "bytes_per_token": self.pool.bytes_per_token}],
-            "shared": self.kv_decision.shared,
-            "reason": self.kv_decision.reason,
-        }
+        """Which pools exist, which layers each holds, and why (the sharing decision and its reason)."""
+        def describe(name, pool):
+            return {"name": name, "tokens_per_block": pool.tokens_per_block, "num_pages": pool.num_pages,
+                    "target_layers": pool.layer_ids("target"), "draft_layers": pool.layer_ids("draft"),
+                    "bytes_per_token": pool.bytes_per_token}
+
+        pools = [describe("target", self.pool)]
+        if self.draft_kv is not None and not self.draft_kv.shared:
+            pools.append(describe("draft", self.draft_kv.pool))
+        return {"pools": pools, "shared": self.kv_decision.shared, "reason": self.kv_decision.reason}
 
     @property
     def attention_backends(self) -> dict[str, str]:
@@ -150,9 +164,9 @@ class SpecEngine:
             return self._unschedulable()
         drafts = self._propose(batch)
         ids, positions, attn = self._prepare(batch, drafts)
-        logits = self._run(ids, positions, attn, batch, drafts)
+        logits, hidden = self._run(ids, positions, attn, batch, drafts)
         emitted = self._verify(batch, drafts, logits)
-        return self._postprocess(batch, drafts, emitted)
+        return self._postprocess(batch, drafts, emitted, hidden)
 
     def generate(self, prompts: str | Iterable[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -236,8 +250,9 @@ class SpecEngine:
         self._last_backends = attn.backends
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev), attn)
 
-    def _run(self, ids, positions, attn: AttentionMetadata, batch: ScheduledBatch, drafts: list[Draft]) -> torch.Tensor:
-        """One target forward; logits of the rows that are verified. ``[num_rows, vocab]``."""
+    def _run(self, ids, positions, attn: AttentionMetadata, batch: ScheduledBatch, drafts: list[Draft]):
+        """One target forward: logits of the verified rows ``[num_rows, vocab]``, and the
+        drafter's target layers concatenated ``[num_tokens, L * hidden]`` (``None`` if it reads none)."""
         t0 = time.perf_counter()
         rows, offset = [], 0
         for seq in batch.context:
@@ -247,11 +262,13 @@ class SpecEngine:
             n = len(seq.tokens) - seq.num_cached + len(d)
             rows += range(offset + n - 1 - len(d), offset + n)
             offset += n
+        layer_ids = self.drafter.target_layer_ids
         with torch.inference_mode():
-            hidden, _ = self.target.forward(ids, positions, attn, self.pool)
+            hidden, captured = self.target.forward(ids, positions, attn, self.pool, hidden_layer_ids=layer_ids)
             logits = self.target.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
         self.timings["forward_s"] += time.perf_counter() - t0
-        return logits
+        return logits, aux
 
     def _verify(self, batch: ScheduledBatch, drafts: list[Draft], logits: torch.Tensor) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -273,9 +290,10 @@ class SpecEngine:
         self.timings["verify_s"] += time.perf_counter() - t0
         return emitted
 
-    def _postprocess(self, batch: ScheduledBatch, drafts: list[Draft], emitted: list[list[int]]) -> list[StepOutput]:
+    def _postprocess(self, batch: ScheduledBatch, drafts: list[Draft], emitted: list[list[int]],
+                     hidden: torch.Tensor | None) -> list[StepOutput]:
         t0 = time.perf_counter()
-        outs = []
+        outs, row = [], 0
         all_drafts = [Draft()] * len(batch.context) + drafts
         num_ctx = len(batch.context)
         for i, (seq, d, toks) in enumerate(zip(batch.context + batch.generation, all_drafts, emitted)):
@@ -284,11 +302,15 @@ class SpecEngine:
                 seq.stats.accepted_lengths.append(len(toks))
                 seq.stats.drafted += len(d)
                 seq.stats.accepted += len(toks) - 1
+            fed, old_cached = len(seq.tokens) - seq.num_cached + len(d), seq.num_cached
             new = self._append(seq, toks)
             if seq.status is not Status.FINISHED:
                 seq.num_cached = len(seq.tokens) - 1
                 self.manager.truncate(seq.req_id, seq.num_cached)
+                if hidden is not None:  # only accepted positions reach the drafter's context
+                    self.drafter.on_context(seq.req_id, old_cached, hidden[row:row + seq.num_cached - old_cached])
                 self.drafter.on_accepted(seq.req_id, new)
+            row += fed
             outs.append(StepOutput(seq.req_id, tuple(new), seq.status is Status.FINISHED, seq.finish_reason))
         self.timings["steps"] += 1
         self.timings["host_s"] += time.perf_counter() - t0

@@ -8,6 +8,10 @@ import torch
 from specdec.attention.metadata import plan_step
 from specdec.kvcache import KVCacheManager, KVPool
 
+# Two cores shared with other work: one intra-op thread avoids OpenMP barrier stalls
+# that make a step 100x slower when the other core is busy.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def smollm2():

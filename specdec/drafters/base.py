@@ -66,6 +66,8 @@ class Drafter:
     reads_helix_sharded_ctx_pages: bool = False
     #: Vocabulary size the drafter proposes over; ``None`` means "any" (model-free).
     vocab_size: int | None = None
+    #: Target layers whose hidden states the drafter consumes (empty: none).
+    target_layer_ids: tuple[int, ...] = ()
 
     def kv_layer_specs(self) -> "tuple[LayerSpec, ...]":
         """The drafter's own KV layers; empty for model-free drafters."""
@@ -75,8 +77,20 @@ class Drafter:
         """Whether its attention reads context KV from managed pages of this size."""
         return False
 
+    def bind(self, target, kv) -> None:
+        """Called once by the engine: the target (embedding, LM head, sizes) and the
+        drafter's KV view (:class:`specdec.kvcache.DraftKV`, or ``None`` without KV layers).
+        Raises a ConfigError naming the field if the drafter does not fit the target."""
+
     def start_request(self, req_id: str, prompt_token_ids: Sequence[int]) -> None:
         """Begin tracking a request whose prompt is ``prompt_token_ids``."""
+
+    def on_context(self, req_id: str, start: int, hidden: "torch.Tensor") -> None:
+        """Target hidden states of newly *accepted* positions ``start ..``.
+
+        Args:
+            hidden: ``[n, len(target_layer_ids) * hidden_size]``, the chosen layers concatenated.
+        """
 
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
         """Propose up to ``max_tokens`` tokens for each request (``[] `` drafts allowed)."""

@@ -1,0 +1,106 @@
+"""Command line: ``specdec generate`` and ``specdec bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from specdec.errors import SpecDecError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="model name, HF checkpoint dir or .gguf file")
+    p.add_argument("--drafter", default="suffix", help="registered drafter name (null, suffix, ...)")
+    p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="send raw text, without the chat template")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+
+
+def _engine(args):
+    import torch
+
+    from specdec import SpecEngine
+    from specdec.drafters import make_drafter
+    from specdec.target import load_target
+
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    drafter = make_drafter(args.drafter) if args.drafter != "suffix" else make_drafter(
+        "suffix", max_draft_tokens=max(1, args.max_draft_tokens))
+    return SpecEngine(target, drafter, max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw)
+
+
+def _params(args):
+    from specdec import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    engine = _engine(args)
+    params = _params(args)
+    t0 = time.perf_counter()
+    outs = engine.generate(args.prompts, params, progress=not args.quiet)
+    dt = time.perf_counter() - t0
+    for o in outs:
+        print(o.text)
+        s = o.stats
+        print(f"\n[{len(o.token_ids)} tokens, {s.target_steps} target steps, mean accepted length "
+              f"{s.mean_accepted_length:.2f}, {s.tokens_per_s:.1f} tokens/s, finish: {o.finish_reason}]", file=sys.stderr)
+    if len(outs) > 1:
+        total = sum(len(o.token_ids) for o in outs)
+        print(f"[all: {total} tokens in {dt:.1f} s = {total / dt:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from specdec.prompts import humaneval_prompts, parse_range
+
+    prompts = humaneval_prompts(parse_range(args.problems))
+    engine = _engine(args)
+    params = _params(args)
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), args.batch_size):
+        outs += engine.generate(prompts[i:i + args.batch_size], params, progress=not args.quiet)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    steps = sum(len(o.stats.accepted_lengths) + 1 for o in outs)
+    acc = [x for o in outs for x in o.stats.accepted_lengths]
+    print(f"drafter={args.drafter} prompts={len(prompts)} batch={args.batch_size} tokens={tokens} "
+          f"time={dt:.1f}s tokens/s={tokens / dt:.1f} target_steps/token={steps / tokens:.3f} "
+          f"mean_accepted_length={sum(acc) / max(1, len(acc)):.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``specdec`` command."""
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    _common(g)
+    b = sub.add_parser("bench", help="tokens/s and acceptance on HumanEval prompts")
+    b.add_argument("--problems", default="0-9", help="HumanEval problem range, e.g. 0-99 or 100-163")
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--quiet", action="store_true")
+    _common(b)
+    b.set_defaults(max_new_tokens=128)
+    args = parser.parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)
+    except SpecDecError as e:
+        print(f"specdec: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

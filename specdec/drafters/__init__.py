@@ -1,0 +1,23 @@
+"""Drafters: they propose, the target verifies. Registered by name."""
+
+from specdec.drafters.base import (
+    Draft,
+    Drafter,
+    NullDrafter,
+    available_drafters,
+    check_hooks,
+    make_drafter,
+    register_drafter,
+)
+from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
+
+__all__ = [
+    "Draft",
+    "Drafter",
+    "NullDrafter",
+    "SuffixAutomatonDrafter",
+    "available_drafters",
+    "check_hooks",
+    "make_drafter",
+    "register_drafter",
+]

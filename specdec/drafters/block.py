@@ -1,0 +1,257 @@
+"""Block drafters (DFlash, DSpark): one forward pass drafts a whole block.
+
+The network is a few decoder layers of the target's family. Every layer attends
+from the block's queries to keys/values built from ``[projected target hidden
+states of the context ; the block's own hidden states]``, with no causal mask
+inside the block. Target hidden states of ``target_layer_ids`` are
+concatenated, projected by ``fc`` and normalised (``hidden_norm``). Embedding
+and LM head are the target's (frozen, not stored again).
+
+``shift_label`` (DESIGN.md §5): output slot ``i`` predicts position
+``anchor + i + shift_label``; :func:`output_slots` is the one place that turns
+it into the draft width and the slots that draft.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.errors import CheckpointError, ConfigError
+
+
+def output_slots(block_size: int, shift_label: int) -> range:
+    """Block slots whose outputs are drafts; ``len()`` of it is the draft width.
+
+    ``shift_label = 0`` (DFlash): slot 0 would re-predict the anchor, so slots
+    ``1..B-1`` draft (width ``B - 1``). ``shift_label = 1`` (DSpark): every slot
+    predicts its next position, slots ``0..B-1`` (width ``B``).
+
+    Raises:
+        ConfigError: ``shift_label`` not 0 or 1, or ``block_size < 2``.
+    """
+    if shift_label not in (0, 1):
+        raise ConfigError(f"shift_label must be 0 (DFlash) or 1 (DSpark), got {shift_label!r}")
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ConfigError(f"block_size must be an integer >= 2, got {block_size!r}")
+    return range(1 - shift_label, block_size)
+
+
+def label_offsets(block_size: int, shift_label: int) -> list[int]:
+    """Distance from the anchor of the token each drafting slot predicts (1, 2, ...)."""
+    return [i + shift_label for i in output_slots(block_size, shift_label)]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDrafterConfig:
+    """Shape of a block drafter network (stored as config.json beside the weights).
+
+    Attributes:
+        block_size: slots per draft block (B >= 2).
+        shift_label: 0 (DFlash) or 1 (DSpark).
+        target_layer_ids: target layers whose hidden states condition the drafter.
+        target_hidden_size: width of those hidden states.
+        vocab_size: the target's vocabulary (its LM head is used).
+        hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size: the network.
+        mask_token_id: token id fed to slots 1..B-1.
+        rms_norm_eps, rope_theta: as in the target family.
+        qk_norm: Qwen3-style RMSNorm of each query/key head (the public DFlash drafters have it).
+        ctx_page_sizes: KV page sizes this drafter's context attention reads.
+    """
+
+    block_size: int
+    shift_label: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int = 1
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    mask_token_id: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    qk_norm: bool = False
+    ctx_page_sizes: tuple[int, ...] = (8, 16, 32, 64)
+
+    def __post_init__(self) -> None:
+        output_slots(self.block_size, self.shift_label)  # validates both
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "ctx_page_sizes", tuple(int(i) for i in self.ctx_page_sizes))
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids must name at least one target layer, got ()")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "target_hidden_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id must be in [0, {self.vocab_size}), got {self.mask_token_id}")
+
+    @property
+    def draft_width(self) -> int:
+        return len(output_slots(self.block_size, self.shift_label))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"], d["ctx_page_sizes"] = list(self.target_layer_ids), list(self.ctx_page_sizes)
+        return d
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """``count`` target layers spread over the depth (first shallow, last near the top)."""
+    if count < 1 or count > num_target_layers:
+        raise ConfigError(f"number of target layers must be in [1, {num_target_layers}], got {count}")
+    if count == 1:
+        return (num_target_layers // 2,)
+    step = (num_target_layers - 2) / (count - 1)
+    return tuple(sorted({1 + round(i * step) for i in range(count)}))
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE at integer positions. ``x``: ``[..., heads, D]``; ``pos``: ``x.shape[:-2]``."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = pos.to(torch.float32)[..., None] * inv  # [..., D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([ang.sin()] * 2, -1).unsqueeze(-2)
+    rot = torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+def _linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+class _Layer(nn.Module):
+    """One decoder layer, with the HF names the public DFlash layout uses."""
+
+    def __init__(self, c: "BlockDrafterConfig"):
+        super().__init__()
+        D, H, Hkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.input_layernorm, self.post_attention_layernorm = _Norm(D), _Norm(D)
+        self.self_attn = nn.Module()
+        a = self.self_attn
+        a.q_proj, a.k_proj, a.v_proj, a.o_proj = _linear(D, H * hd), _linear(D, Hkv * hd), _linear(D, Hkv * hd), _linear(H * hd, D)
+        if c.qk_norm:
+            a.q_norm, a.k_norm = _Norm(hd), _Norm(hd)
+        self.mlp = nn.Module()
+        m = self.mlp
+        m.gate_proj, m.up_proj, m.down_proj = _linear(D, c.intermediate_size), _linear(D, c.intermediate_size), _linear(c.intermediate_size, D)
+
+    def qk(self, h: torch.Tensor, c: "BlockDrafterConfig", heads: int, proj: str) -> torch.Tensor:
+        """Project (and, Qwen3-style, normalise) queries or keys: ``[..., heads, hd]``."""
+        x = getattr(self.self_attn, f"{proj}_proj")(h).view(*h.shape[:-1], heads, c.head_dim)
+        norm = getattr(self.self_attn, f"{proj}_norm", None)
+        return _rms(x, norm.weight, c.rms_norm_eps) if norm is not None else x
+
+
+class BlockDrafterNet(nn.Module):
+    """The trainable part of a block drafter (fc, hidden_norm, layers, norm)."""
+
+    def __init__(self, config: BlockDrafterConfig):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = _Norm(c.hidden_size)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.norm = _Norm(c.hidden_size)
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, len(target_layer_ids) * target_hidden]`` → context features ``[n, hidden]``."""
+        return _rms(self.fc(target_hidden.to(self.fc.weight.dtype)), self.hidden_norm.weight, self.config.rms_norm_eps)
+
+    def context_kv(self, i: int, ctx: torch.Tensor, positions: torch.Tensor):
+        """Layer ``i``'s K (roped) and V of context features: ``[n, Hkv, hd]`` each."""
+        c, L = self.config, self.layers[i]
+        k = L.qk(ctx, c, c.num_kv_heads, "k")
+        v = L.self_attn.v_proj(ctx).view(*ctx.shape[:-1], c.num_kv_heads, c.head_dim)
+        return _rope(k, positions, c.rope_theta), v
+
+    def forward_block(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """Run the block through every layer.
+
+        Args:
+            x: block embeddings ``[N, B, hidden]``.
+            positions: ``[N, B]`` absolute positions of the slots.
+            ctx_kv: per layer ``(k, v)``, each ``[N or 1, Lc, Hkv, hd]``.
+            ctx_valid: ``[N, Lc]`` which context keys each block may see.
+
+        Returns:
+            normalised hidden states ``[N, B, hidden]`` (feed to the target's LM head).
+        """
+        c = self.config
+        N, B, _ = x.shape
+        mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, B)], 1)[:, None, None, :]  # [N, 1, 1, Lc + B]
+        for L, (kc, vc) in zip(self.layers, ctx_kv):
+            h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
+            q = _rope(L.qk(h, c, c.num_heads, "q"), positions, c.rope_theta)
+            k = _rope(L.qk(h, c, c.num_kv_heads, "k"), positions, c.rope_theta)
+            v = L.self_attn.v_proj(h).view(N, B, c.num_kv_heads, c.head_dim)
+            k = torch.cat([kc.expand(N, -1, -1, -1).to(k.dtype), k], 1).transpose(1, 2)  # [N, Hkv, Lc + B, hd]
+            v = torch.cat([vc.expand(N, -1, -1, -1).to(v.dtype), v], 1).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                               enable_gqa=c.num_heads != c.num_kv_heads)  # [N, H, B, hd]
+            x = x + L.self_attn.o_proj(o.transpose(1, 2).reshape(N, B, -1))
+            h = _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps)
+            m = L.mlp
+            x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+        return _rms(x, self.norm.weight, c.rms_norm_eps)
+
+    # -- checkpoints -----------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (the target's embedding/LM head are not stored)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"architectures": ["SpecdecBlockDrafter"], **self.config.to_json()}, indent=2))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / "model.safetensors")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BlockDrafterNet":
+        """Load a checkpoint written by :meth:`save` or in the public DFlash layout.
+
+        Raises:
+            CheckpointError: missing files or weights.
+        """
+        from specdec.drafters.dflash_layout import read_block_checkpoint
+
+        config, weights = read_block_checkpoint(Path(path))
+        net = cls(config)
+        missing = set(net.state_dict()) - set(weights)
+        if missing:
+            raise CheckpointError(f"drafter checkpoint {str(path)!r} is missing weights {sorted(missing)[:5]}")
+        net.load_state_dict({k: weights[k] for k in net.state_dict()})
+        return net
+
+
+def init_weights(net: BlockDrafterNet, seed: int = 0, std: float = 0.02) -> BlockDrafterNet:
+    """Small random init (norms at 1) for training from scratch."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(1 / math.sqrt(2 * net.config.num_layers))
+    return net

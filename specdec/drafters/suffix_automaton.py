@@ -1,0 +1,397 @@
+"""Model-free drafting from suffix automata (Blumer et al. 1985).
+
+A :class:`SuffixAutomaton` indexes every substring of a token sequence and is
+built online, one token at a time, in amortised O(1). The drafter keeps one
+automaton per request (prompt + generated tokens) and one global automaton over
+the responses of finished requests (plus an optional user corpus). To draft, it
+finds the longest suffix of the request's tokens that occurred before and
+proposes what followed that earlier occurrence (as in prompt-lookup / suffix
+decoding, ArcticInference), for as many tokens as the match length and the
+continuation's confidence justify.
+
+Every step of the hot path (append, match, draft) costs amortised O(1) per
+token, O(k) per draft of k tokens: nothing is rescanned.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, register_drafter
+from specdec.errors import ConfigError, InvalidRequestError
+
+__all__ = ["Matcher", "SuffixAutomaton", "SuffixAutomatonDrafter"]
+
+
+class SuffixAutomaton:
+    """Online suffix automaton over integer tokens.
+
+    State ``0`` is the root (the empty string). For every state it keeps the
+    transitions (``dict`` token -> state), ``len`` (its longest string),
+    ``link`` (suffix link) and ``firstpos`` (end index in :attr:`tokens` of the
+    first occurrence of its strings), so a continuation can be read from the
+    stored tokens. Negative tokens are reserved for separators
+    (:meth:`add_separator`); each one is unique, so no match crosses it.
+
+    Continuation counts: before a token ``t`` is appended, the state of the
+    longest repeated suffix (the context a drafter would have matched) records
+    that it was followed by ``t``. These counts, kept with the running best
+    token, give the confidence of a proposed continuation in O(1).
+
+    Attributes:
+        tokens: every appended token, separators included.
+    """
+
+    __slots__ = ("tokens", "_next", "_len", "_link", "_pos", "_stats", "_last", "_num_separators")
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._next: list[dict[int, int]] = [{}]
+        self._len: list[int] = [0]
+        self._link: list[int] = [-1]
+        self._pos: list[int] = [-1]
+        # state -> [total, best_token, best_count, {token: count}]; only states that were matched
+        self._stats: dict[int, list] = {}
+        self._last = 0
+        self._num_separators = 0
+        self.extend(tokens)
+
+    @property
+    def num_states(self) -> int:
+        """Number of states (at most ``2 * len(tokens)`` for ``len(tokens) >= 2``)."""
+        return len(self._len)
+
+    @property
+    def num_transitions(self) -> int:
+        """Number of transitions (at most ``3 * len(tokens)``); computed in O(states)."""
+        return sum(len(d) for d in self._next)
+
+    def state_len(self, state: int) -> int:
+        """Length of the longest string of ``state``."""
+        return self._len[state]
+
+    def append(self, token: int, count: bool = True) -> None:
+        """Append one token, in amortised O(1).
+
+        Args:
+            token: the token id (negative ids are meant for separators).
+            count: whether to record ``token`` as the continuation of the
+                current longest repeated suffix (off for separators).
+        """
+        nxt, ln, link, pos = self._next, self._len, self._link, self._pos
+        last = self._last
+        if count and link[last] > 0:
+            self._observe(link[last], token)
+        cur = len(ln)
+        nxt.append({})
+        ln.append(ln[last] + 1)
+        link.append(0)
+        pos.append(len(self.tokens))
+        self.tokens.append(token)
+        p = last
+        while p != -1 and token not in nxt[p]:
+            nxt[p][token] = cur
+            p = link[p]
+        if p != -1:
+            q = nxt[p][token]
+            if ln[p] + 1 == ln[q]:
+                link[cur] = q
+            else:
+                link[cur] = self._split(p, q, token)
+        self._last = cur
+
+    def _split(self, p: int, q: int, token: int) -> int:
+        """Clone ``q`` for the strings of length ``<= len[p] + 1``; return the clone."""
+        nxt, ln, link, pos = self._next, self._len, self._link, self._pos
+        clone = len(ln)
+        nxt.append(nxt[q].copy())  # amortised: total transitions stay O(n)
+        ln.append(ln[p] + 1)
+        link.append(link[q])
+        pos.append(pos[q])
+        stats = self._stats.get(q)
+        if stats is not None:  # the clone's strings are suffixes of q's: same observations
+            self._stats[clone] = [stats[0], stats[1], stats[2], stats[3].copy()]
+        while p != -1 and nxt[p].get(token) == q:
+            nxt[p][token] = clone
+            p = link[p]
+        link[q] = clone
+        return clone
+
+    def _observe(self, state: int, token: int) -> None:
+        stats = self._stats.get(state)
+        if stats is None:
+            self._stats[state] = [1, token, 1, {token: 1}]
+            return
+        counts = stats[3]
+        c = counts.get(token, 0) + 1
+        counts[token] = c
+        stats[0] += 1
+        if c >= stats[2]:  # ties go to the most recent continuation
+            stats[1] = token
+            stats[2] = c
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append every token of ``tokens``."""
+        for t in tokens:
+            self.append(t)
+
+    def add_separator(self) -> None:
+        """Append a fresh negative token, so no match spans the boundary."""
+        self._num_separators += 1
+        self.append(-self._num_separators, count=False)
+
+    def add_sequence(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` followed by a separator (one corpus document)."""
+        self.extend(tokens)
+        self.add_separator()
+
+    def match_state(self) -> int:
+        """State of the longest suffix of the text that also occurs earlier (root if none)."""
+        return max(self._link[self._last], 0)
+
+    def longest_repeated_suffix(self) -> tuple[int, int]:
+        """The longest suffix of the text that has an earlier occurrence.
+
+        Returns:
+            ``(match_len, earlier_end_pos)``: its length and the end index of its
+            first occurrence, so ``tokens[earlier_end_pos + 1]`` followed it.
+            ``(0, -1)`` when no non-empty suffix repeats.
+        """
+        m = self.match_state()
+        if m == 0:
+            return 0, -1
+        return self._len[m], self._pos[m]
+
+    def walk(self, state: int, max_tokens: int, min_prob: float = 0.0) -> list[int]:
+        """Read a likely continuation of the strings of ``state``.
+
+        At each step it takes the most often observed continuation (else the
+        one after the first occurrence), whose probability is estimated as
+        ``(count + 1) / (total + distinct continuations)``. It stops at
+        ``max_tokens``, at a separator, when the continuation runs out, or when
+        the running product of probabilities drops below ``min_prob``.
+
+        Args:
+            state: the context's state (e.g. :meth:`match_state`, :attr:`Matcher.state`).
+            max_tokens: the most tokens to return.
+            min_prob: confidence threshold in ``[0, 1]``.
+
+        Returns:
+            Tokens ``d`` such that (any string of ``state``) + ``d`` occurs in the text.
+        """
+        nxt, pos, tokens, all_stats = self._next, self._pos, self.tokens, self._stats
+        out: list[int] = []
+        prob = 1.0
+        while len(out) < max_tokens:
+            trans = nxt[state]
+            if not trans:
+                break
+            stats = all_stats.get(state)
+            if stats is None:
+                tok, hits, total = tokens[pos[state] + 1], 0, 0
+            else:
+                total, tok, hits = stats[0], stats[1], stats[2]
+            prob *= (hits + 1) / (total + len(trans))
+            if tok < 0 or prob < min_prob:
+                break
+            out.append(tok)
+            state = trans[tok]
+        return out
+
+
+class Matcher:
+    """Longest suffix of a token stream that is a substring of an automaton.
+
+    Standard suffix-automaton matching with suffix-link fallback, amortised
+    O(1) per token. The automaton may grow between calls: states split by the
+    growth are re-normalised lazily, and the match stays valid (it may then be
+    shorter than the longest possible until the stream moves on).
+
+    Attributes:
+        state: state of the matched suffix (root when ``length == 0``).
+        length: length of the matched suffix.
+    """
+
+    __slots__ = ("sam", "state", "length")
+
+    def __init__(self, sam: SuffixAutomaton) -> None:
+        self.sam = sam
+        self.state = 0
+        self.length = 0
+
+    def feed(self, token: int) -> int:
+        """Extend the stream by ``token``; return the new match length."""
+        nxt, ln, link = self.sam._next, self.sam._len, self.sam._link
+        s, length = self.state, self.length
+        while s > 0 and length <= ln[link[s]]:  # growth split s: move to the true state
+            s = link[s]
+        while s > 0 and token not in nxt[s]:
+            s = link[s]
+            length = ln[s]
+        t = nxt[s].get(token)
+        if t is None:
+            self.state, self.length = 0, 0
+        else:
+            self.state, self.length = t, length + 1
+        return self.length
+
+    def feed_many(self, tokens: Iterable[int]) -> int:
+        """Feed every token of ``tokens``; return the final match length."""
+        for t in tokens:
+            self.feed(t)
+        return self.length
+
+
+class _Request:
+    __slots__ = ("sam", "matcher", "num_prompt")
+
+    def __init__(self, sam: SuffixAutomaton, matcher: Matcher | None, num_prompt: int) -> None:
+        self.sam = sam
+        self.matcher = matcher
+        self.num_prompt = num_prompt
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _token_list(tokens: Sequence[int], field: str, error: type[ConfigError]) -> list[int]:
+    """Tokens as plain ints; negative ids are reserved for separators."""
+    out = [int(t) for t in tokens]
+    if out and min(out) < 0:
+        raise error(f"{field} must hold token ids >= 0, got {min(out)}")
+    return out
+
+
+@register_drafter("suffix")
+class SuffixAutomatonDrafter(Drafter):
+    """Drafts the continuation of the longest earlier occurrence of the current suffix.
+
+    Sources: the request's own tokens (prompt + generated), and, with
+    ``use_global``, the responses of earlier finished requests plus ``corpus``.
+    The source with the longer match wins (the request's own on ties). A match
+    of length ``L`` allows ``ceil(match_len_factor * L)`` tokens, capped at
+    ``min(max_tokens, max_draft_tokens)``; the draft also stops when the
+    continuation runs out or its estimated probability falls below
+    ``min_token_prob``.
+
+    Args:
+        max_draft_tokens: the most tokens per draft (>= 1).
+        min_match_len: shortest suffix match that is used (>= 1).
+        use_global: also match against finished responses and ``corpus``.
+        corpus: token sequences added to the global automaton, one document each.
+        min_token_prob: confidence threshold in ``[0, 1]`` (0 drafts whenever matched).
+        match_len_factor: draft tokens allowed per matched token (> 0).
+
+    Raises:
+        ConfigError: an argument is out of range (the message names it).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_draft_tokens: int = 8,
+        min_match_len: int = 1,
+        use_global: bool = True,
+        corpus: Sequence[Sequence[int]] | None = None,
+        min_token_prob: float = 0.1,
+        match_len_factor: float = 1.0,
+    ) -> None:
+        _check_int("max_draft_tokens", max_draft_tokens, 1)
+        _check_int("min_match_len", min_match_len, 1)
+        if not isinstance(use_global, bool):
+            raise ConfigError(f"use_global must be a bool, got {use_global!r}")
+        if not isinstance(min_token_prob, (int, float)) or not 0.0 <= min_token_prob <= 1.0:
+            raise ConfigError(f"min_token_prob must be a float in [0, 1], got {min_token_prob!r}")
+        if not isinstance(match_len_factor, (int, float)) or not 0.0 < match_len_factor < math.inf:
+            raise ConfigError(f"match_len_factor must be a finite float > 0, got {match_len_factor!r}")
+        if corpus is not None and not use_global:
+            raise ConfigError("corpus needs use_global=True (the corpus lives in the global automaton)")
+        self.max_draft_tokens = max_draft_tokens
+        self.min_match_len = min_match_len
+        self.use_global = use_global
+        self.min_token_prob = float(min_token_prob)
+        self.match_len_factor = float(match_len_factor)
+        self._global = SuffixAutomaton() if use_global else None
+        self._requests: dict[str, _Request] = {}
+        for i, doc in enumerate(corpus or ()):
+            self._global.add_sequence(_token_list(doc, f"corpus[{i}]", ConfigError))
+
+    def start_request(self, req_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """Index the prompt of a new request.
+
+        Raises:
+            InvalidRequestError: ``req_id`` is already active, or a token is negative.
+        """
+        if req_id in self._requests:
+            raise InvalidRequestError(f"req_id {req_id!r} is already active")
+        prompt = _token_list(prompt_token_ids, "prompt_token_ids", InvalidRequestError)
+        matcher = None
+        if self._global is not None:
+            matcher = Matcher(self._global)
+            matcher.feed_many(prompt)
+        self._requests[req_id] = _Request(SuffixAutomaton(prompt), matcher, len(prompt))
+
+    def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
+        """One chain draft per request, of at most ``min(max_tokens, max_draft_tokens)`` tokens.
+
+        Raises:
+            ConfigError: ``max_tokens`` is negative.
+            InvalidRequestError: a ``req_id`` was not started.
+        """
+        _check_int("max_tokens", max_tokens, 0)
+        k = min(max_tokens, self.max_draft_tokens)
+        return [self._propose_one(self._get(r), k) for r in req_ids]
+
+    def _propose_one(self, req: _Request, k: int) -> Draft:
+        if k == 0:
+            return EMPTY_DRAFT
+        sam = req.sam
+        state = sam.match_state()
+        sources = [(sam.state_len(state), sam, state)]
+        m = req.matcher
+        if m is not None and m.length > sources[0][0]:
+            sources.insert(0, (m.length, self._global, m.state))
+        for length, automaton, state in sources:
+            if length < self.min_match_len:
+                continue
+            budget = min(k, math.ceil(self.match_len_factor * length))
+            tokens = automaton.walk(state, budget, self.min_token_prob)
+            if tokens:
+                return Draft(tuple(tokens))
+        return EMPTY_DRAFT
+
+    def on_accepted(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Append the tokens the target emitted for ``req_id`` this step.
+
+        Raises:
+            InvalidRequestError: ``req_id`` was not started, or a token is negative.
+        """
+        req = self._get(req_id)
+        for t in token_ids:
+            t = int(t)
+            if t < 0:
+                raise InvalidRequestError(f"token_ids for req_id {req_id!r} must be >= 0, got {t}")
+            req.sam.append(t)
+            if req.matcher is not None:
+                req.matcher.feed(t)
+
+    def stop_request(self, req_id: str) -> None:
+        """Free the request; with ``use_global`` its response joins the global automaton.
+
+        Unknown ids are ignored, so aborting twice is harmless.
+        """
+        req = self._requests.pop(req_id, None)
+        if req is None or self._global is None:
+            return
+        response = req.sam.tokens[req.num_prompt :]
+        if response:
+            self._global.add_sequence(response)
+
+    def _get(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            raise InvalidRequestError(f"req_id {req_id!r} is not active (call start_request first)")
+        return req

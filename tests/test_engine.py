@@ -1,0 +1,202 @@
+"""Engine behaviour on a tiny random target: serving API, stop rules, bad input, preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from specdec import EngineConfig, SamplingParams, SpecEngine
+from specdec.drafters import Draft, Drafter, NullDrafter, SuffixAutomatonDrafter
+from specdec.errors import (
+    ConfigError,
+    InvalidRequestError,
+    MissingHookError,
+    PromptTooLongError,
+    SpecDecError,
+    UnsupportedShapeError,
+    VocabMismatchError,
+)
+from specdec.target import load_target
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random 2-layer Llama written as a real checkpoint (no tokenizer: token-id prompts)."""
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                                   eos_token_id=63)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return load_target(path)
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 10, 11], [5]]
+
+
+def _gen(target, drafter, prompts=PROMPTS, **kw):
+    params = SamplingParams(max_new_tokens=kw.pop("max_new_tokens", 30), ignore_eos=True)
+    return SpecEngine(target, drafter, **kw).generate(prompts, params)
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 4, 16])
+def test_lossless_on_tiny_target(tiny, tokens_per_block):
+    base = _gen(tiny, NullDrafter(), tokens_per_block=tokens_per_block)
+    spec = _gen(tiny, SuffixAutomatonDrafter(), tokens_per_block=tokens_per_block)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+
+
+class OracleDrafter(Drafter):
+    """Proposes the known greedy continuation, with every ``bad``-th token corrupted."""
+
+    def __init__(self, truth: dict[str, list[int]], bad: int):
+        self.truth, self.bad, self.pos = truth, bad, {}
+
+    def start_request(self, req_id, prompt_token_ids):
+        self.pos[req_id] = 0
+
+    def propose(self, req_ids, max_tokens):
+        out = []
+        for r in req_ids:
+            seq = self.truth[r][self.pos[r]:self.pos[r] + max_tokens]
+            out.append(Draft(tuple((t + 1) % 64 if (self.pos[r] + i) % self.bad == self.bad - 1 else t
+                                   for i, t in enumerate(seq))))
+        return out
+
+    def on_accepted(self, req_id, token_ids):
+        self.pos[req_id] += len(token_ids)
+
+
+def test_rollback_with_partly_wrong_drafts_and_tiny_pool(tiny):
+    base = _gen(tiny, NullDrafter())
+    truth = {str(i): list(o.token_ids) for i, o in enumerate(base)}
+    # A pool of 12 pages x 4 tokens cannot hold all four requests at once: forces waiting and preemption.
+    spec = _gen(tiny, OracleDrafter(truth, bad=5), tokens_per_block=4, num_pages=12, max_draft_tokens=6)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    assert max(o.stats.mean_accepted_length for o in spec) > 2
+
+
+def test_serving_api_streams_and_abort(tiny):
+    engine = SpecEngine(tiny, SuffixAutomatonDrafter())
+    a = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    b = engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    streamed = {a: [], b: []}
+    engine.step()  # both prefilled, first tokens out
+    engine.abort(b)
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.req_id] += out.new_token_ids
+    assert engine.output(b).finish_reason == "abort"
+    full = engine.output(a)
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    assert tuple(streamed[a]) == full.token_ids[-len(streamed[a]):]
+    assert engine.manager.num_free_pages == engine.manager.num_pages  # nothing leaked
+
+
+def test_bad_request_does_not_disturb_running(tiny):
+    engine = SpecEngine(tiny, SuffixAutomatonDrafter())
+    ref = SpecEngine(tiny, NullDrafter()).generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    a = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    engine.step()
+    for bad in ([], [64], [-1], list(range(96))):
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(bad)
+    with pytest.raises(InvalidRequestError, match="req_id"):
+        engine.add_request([1], req_id=a)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(a).token_ids == ref[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_input_table(tiny):
+    engine = SpecEngine(tiny)
+    with pytest.raises(InvalidRequestError, match="prompts must be a non-empty list"):
+        engine.generate([])
+    with pytest.raises(InvalidRequestError, match="prompt must be a non-empty"):
+        engine.generate([[]])
+    with pytest.raises(PromptTooLongError, match="max context 96"):
+        engine.generate([[1] * 96])
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        engine.generate([[1]], max_new_tokens=0)
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.generate(["text"])
+    assert issubclass(PromptTooLongError, SpecDecError)
+
+
+def test_drafter_errors_at_build(tiny):
+    class WrongVocab(Drafter):
+        vocab_size = 65
+
+    with pytest.raises(VocabMismatchError, match="vocab_size"):
+        SpecEngine(tiny, WrongVocab())
+
+    class NoHooks:  # not a Drafter: lacks every hook
+        def propose(self, req_ids, max_tokens):
+            return []
+
+    with pytest.raises(MissingHookError, match="kv_layer_specs"):
+        SpecEngine(tiny, NoHooks())
+
+
+def test_engine_config_errors_and_forced_backend(tiny):
+    with pytest.raises(ConfigError, match="tokens_per_block"):
+        EngineConfig(tokens_per_block=3)
+    with pytest.raises(ConfigError, match="max_draft_tokens"):
+        EngineConfig(max_draft_tokens=-1)
+    with pytest.raises(ConfigError, match="attention_backend must be one of"):
+        SpecEngine(tiny, attention_backend="nope")
+    engine = SpecEngine(tiny, attention_backend="torch_ref")
+    engine.generate([[1, 2]], max_new_tokens=2)
+    assert engine.attention_backends == {"generation": "torch_ref"}
+
+
+def test_forced_backend_that_cannot_run_is_refused_at_build(tiny):
+    from specdec.attention.backends.torch_ref import TorchRefBackend
+    from specdec.attention.selector import _BACKENDS, register_backend
+    from specdec.attention.shapes import Verdict
+
+    class OnlyDecode(TorchRefBackend):
+        name = "only_decode_test"
+
+        def supports(self, shape):
+            return Verdict(shape.max_q_len == 1, "only single-token decode")
+
+    register_backend(OnlyDecode())
+    try:
+        with pytest.raises(UnsupportedShapeError, match="only_decode_test.*only single-token decode"):
+            SpecEngine(tiny, attention_backend="only_decode_test")
+    finally:
+        del _BACKENDS["only_decode_test"]
+
+
+def test_eos_and_stats(tiny):
+    engine = SpecEngine(tiny, SuffixAutomatonDrafter())
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40))
+    for o in outs:
+        assert o.finish_reason in ("eos", "length")
+        if o.finish_reason == "eos":
+            assert o.token_ids[-1] == 63 and 63 not in o.token_ids[:-1]
+        assert o.stats.target_steps == len(o.stats.accepted_lengths) + 1
+        assert sum(o.stats.accepted_lengths) + 1 == len(o.token_ids)
+
+
+def test_sampling_is_seeded_and_same_path_with_and_without_drafter(tiny):
+    p = SamplingParams(max_new_tokens=25, temperature=0.8, top_k=20, top_p=0.9, seed=3, ignore_eos=True)
+    a = SpecEngine(tiny).generate(PROMPTS, p)
+    b = SpecEngine(tiny).generate(PROMPTS, p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    c = SpecEngine(tiny, SuffixAutomatonDrafter()).generate(PROMPTS, p)
+    assert all(len(o.token_ids) == 25 for o in c)

@@ -1,0 +1,77 @@
+"""Strict lossless: same engine, null drafter vs suffix drafter, token-for-token equal (fp32 greedy).
+
+The real SmolLM2-135M on the CPU, >= 20 prompts, batch sizes 1, 4 and 8 with
+mixed prompt lengths in one batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import SamplingParams, SpecEngine
+from specdec.drafters import NullDrafter, SuffixAutomatonDrafter
+from specdec.prompts import humaneval_prompts
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+
+
+def _prompts() -> list[str]:
+    code = humaneval_prompts(range(0, 14))
+    prose = [
+        "Write a Python function that reverses a linked list.",
+        "List the first ten prime numbers, one per line, then repeat the list.",
+        "Explain what a hash map is in two sentences.",
+        "Repeat after me exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
+        "def fib(n):",
+        "Write a haiku about caches.",
+    ]
+    return code + prose  # 20 prompts, lengths from ~10 to ~300 tokens
+
+
+def _run(target, drafter, prompts, batch_size):
+    engine = SpecEngine(target, drafter, max_draft_tokens=6, tokens_per_block=16)
+    outs = []
+    for i in range(0, len(prompts), batch_size):
+        outs += engine.generate(prompts[i:i + batch_size], SamplingParams(max_new_tokens=NEW_TOKENS))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def baseline(smollm2):
+    return _run(smollm2, NullDrafter(), _prompts(), batch_size=1)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 8])
+def test_suffix_drafter_is_lossless(smollm2, baseline, batch_size):
+    prompts = _prompts()
+    assert len(prompts) >= 20
+    outs = _run(smollm2, SuffixAutomatonDrafter(max_draft_tokens=6), prompts, batch_size)
+    for i, (base, spec) in enumerate(zip(baseline, outs)):
+        assert spec.token_ids == base.token_ids, f"prompt {i} diverged at batch size {batch_size}"
+        assert spec.finish_reason == base.finish_reason
+    # the drafter must have actually speculated, or the test proves nothing
+    assert sum(o.stats.accepted for o in outs) > 0.1 * sum(len(o.token_ids) for o in outs)
+    assert sum(o.stats.target_steps for o in outs) < sum(o.stats.target_steps for o in baseline)
+
+
+def test_null_drafter_batched_equals_unbatched(smollm2, baseline):
+    outs = _run(smollm2, NullDrafter(), _prompts(), batch_size=8)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in baseline]
+
+
+def test_matches_transformers_greedy(smollm2, baseline):
+    """The baseline itself is the target's greedy output, as transformers computes it."""
+    import torch
+    import transformers
+
+    from specdec.target.loading import cache_dir
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(cache_dir() / "smollm2-135m", dtype=torch.float32).eval()
+    for out in baseline[:3] + baseline[-3:]:
+        ids = torch.tensor([list(out.prompt_token_ids)])
+        with torch.no_grad():
+            want = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=smollm2.eos_token_ids[0],
+                                pad_token_id=smollm2.eos_token_ids[0])[0, ids.shape[1]:].tolist()
+        assert list(out.token_ids) == want

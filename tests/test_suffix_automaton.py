@@ -1,0 +1,443 @@
+"""Suffix automaton, its matcher, the suffix drafter and the replay harness vs brute force."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from specdec.drafters.base import Draft, Drafter, make_drafter
+from specdec.drafters.replay import ReplayStats, replay
+from specdec.drafters.suffix_automaton import Matcher, SuffixAutomaton, SuffixAutomatonDrafter
+from specdec.errors import ConfigError, InvalidRequestError, SpecDecError
+
+small_tokens = st.lists(st.integers(0, 3), max_size=60)
+SETTINGS = settings(max_examples=150, deadline=None)
+
+
+# ----------------------------------------------------------------- brute force
+
+
+def occurs_at(hay: list[int], needle: list[int]) -> list[int]:
+    """End indices of every occurrence of ``needle`` in ``hay``."""
+    n = len(needle)
+    return [i + n - 1 for i in range(len(hay) - n + 1) if hay[i : i + n] == needle]
+
+
+def is_substring(hay: list[int], needle: list[int]) -> bool:
+    return not needle or bool(occurs_at(hay, needle))
+
+
+def bf_longest_repeated_suffix(text: list[int]) -> tuple[int, int]:
+    """Longest suffix with an occurrence ending before the last position, and its first end."""
+    n = len(text)
+    for length in range(n - 1, 0, -1):
+        ends = occurs_at(text[: n - 1], text[n - length :])
+        if ends:
+            return length, ends[0]
+    return 0, -1
+
+
+def bf_longest_suffix_in(hay: list[int], query: list[int]) -> int:
+    """Longest suffix of ``query`` that is a substring of ``hay``."""
+    for length in range(len(query), 0, -1):
+        if is_substring(hay, query[len(query) - length :]):
+            return length
+    return 0
+
+
+# ----------------------------------------------------------------- (a) automaton
+
+
+@SETTINGS
+@given(small_tokens)
+def test_longest_repeated_suffix_matches_brute_force(tokens):
+    sam = SuffixAutomaton()
+    for i, t in enumerate(tokens):
+        sam.append(t)
+        text = tokens[: i + 1]
+        length, end = sam.longest_repeated_suffix()
+        assert (length, end) == bf_longest_repeated_suffix(text)
+        if length:
+            # the continuation it points to follows an occurrence of that suffix
+            assert end < len(text) - 1
+            assert text[end - length + 1 : end + 1] == text[len(text) - length :]
+    assert sam.tokens == tokens
+
+
+@SETTINGS
+@given(small_tokens, st.integers(1, 8))
+def test_walk_reads_a_real_continuation(tokens, budget):
+    sam = SuffixAutomaton(tokens)
+    length, _ = sam.longest_repeated_suffix()
+    if length == 0:
+        assert sam.match_state() == 0  # the root: the drafter does not draft from it
+        return
+    draft = sam.walk(sam.match_state(), budget, min_prob=0.0)
+    assert draft, "a repeated suffix always has a continuation"
+    context = tokens[len(tokens) - length :] + draft
+    ends = occurs_at(tokens, context)
+    assert ends, "suffix + draft must occur in the text"
+    if len(draft) < budget:  # stopped because the continuation ran out: only at the very end
+        assert ends == [len(tokens) - 1]
+
+
+def test_counts_prefer_the_frequent_continuation():
+    # "1 2" came before 5 (first, uncounted: it was not yet a repeat), then 3, 3, 4: counts pick 3
+    sam = SuffixAutomaton([90, 1, 2, 5, 91, 1, 2, 3, 92, 1, 2, 3, 93, 1, 2, 4, 94, 1, 2])
+    assert sam.walk(sam.match_state(), 1) == [3]
+    # a tie (3 once, 4 once) goes to the most recent
+    sam = SuffixAutomaton([90, 1, 2, 5, 91, 1, 2, 3, 92, 1, 2, 4, 94, 1, 2])
+    assert sam.walk(sam.match_state(), 1) == [4]
+
+
+def bf_first_step(text: list[int]) -> tuple[int, float]:
+    """The walk's first token and probability from the longest repeated suffix, by brute force.
+
+    An append of ``text[i]`` counts for the context ``c_i`` (longest repeated suffix of
+    ``text[:i]``); it counts for the final context ``c`` when ``c`` is a suffix of ``c_i``
+    in the same endpos class of ``text[:i]`` (the automaton's state then, later split).
+    """
+    length, first_end = bf_longest_repeated_suffix(text)
+    c = text[len(text) - length :]
+    counts: dict[int, int] = {}
+    best, best_count = None, 0
+    for i in range(1, len(text)):
+        li, _ = bf_longest_repeated_suffix(text[:i])
+        if li < length or text[i - length : i] != c:
+            continue
+        if occurs_at(text[:i], c) != occurs_at(text[:i], text[i - li : i]):
+            continue
+        counts[text[i]] = counts.get(text[i], 0) + 1
+        if counts[text[i]] >= best_count:
+            best, best_count = text[i], counts[text[i]]
+    branching = len({text[e + 1] for e in occurs_at(text[:-1], c)})
+    if best is None:
+        best = text[first_end + 1]
+    return best, (best_count + 1) / (sum(counts.values()) + branching)
+
+
+@SETTINGS
+@given(small_tokens, st.floats(0.0, 1.0))
+def test_continuation_counts_match_brute_force(tokens, min_prob):
+    sam = SuffixAutomaton(tokens)
+    if sam.longest_repeated_suffix()[0] == 0:
+        return
+    token, prob = bf_first_step(tokens)
+    draft = sam.walk(sam.match_state(), 1, min_prob)
+    assert draft == ([token] if prob >= min_prob else [])
+    assert sam.walk(sam.match_state(), 1) == [token]
+
+
+def test_walk_confidence_threshold_stops_on_branching():
+    sam = SuffixAutomaton([7, 1, 7, 2, 7, 3, 7, 4, 7])  # "7" followed by 4 different tokens
+    assert sam.walk(sam.match_state(), 4, min_prob=0.0) != []
+    assert sam.walk(sam.match_state(), 4, min_prob=0.5) == []
+
+
+# ----------------------------------------------------------------- (b) matcher
+
+
+@SETTINGS
+@given(small_tokens, small_tokens)
+def test_matcher_matches_brute_force(text, query):
+    sam = SuffixAutomaton(text)
+    m = Matcher(sam)
+    for i, t in enumerate(query):
+        assert m.feed(t) == bf_longest_suffix_in(text, query[: i + 1])
+        assert m.length <= sam.state_len(m.state)
+
+
+@SETTINGS
+@given(st.lists(st.tuples(small_tokens, small_tokens), min_size=1, max_size=6))
+@example([([], []), ([0, 1], [2, 1]), ([0, 1, 0], []), ([], [0])])  # a split under the matcher
+def test_matcher_stays_valid_while_the_automaton_grows(rounds):
+    sam = SuffixAutomaton()
+    m = Matcher(sam)
+    docs: list[list[int]] = []
+    query: list[int] = []
+    for doc, chunk in rounds:
+        sam.add_sequence(doc)  # splits states the matcher may point at
+        docs.append(doc)
+        for t in chunk:
+            query.append(t)
+            length = m.feed(t)
+            matched = query[len(query) - length :]
+            assert any(is_substring(d, matched) for d in docs), "the match must occur"
+            # never worse than a fresh matcher over the text it started with
+            assert length >= bf_longest_suffix_in(docs[0], query)
+            assert length <= sam.state_len(m.state)
+            if length:
+                draft = sam.walk(m.state, 8)
+                assert all(x >= 0 for x in draft), "a draft never crosses a separator"
+                assert any(is_substring(d, matched + draft) for d in docs)
+
+
+# ----------------------------------------------------------------- (c) drafter
+
+
+requests_strategy = st.lists(
+    st.tuples(small_tokens, st.lists(st.integers(0, 3), min_size=1, max_size=40)), min_size=1, max_size=5
+)
+
+
+def check_draft(draft: Draft, text: list[int], docs: list[list[int]], k: int, min_len: int) -> None:
+    assert len(draft) <= k
+    assert draft.parents is None and draft.probs is None
+    if not draft.token_ids:
+        return
+    d = list(draft.token_ids)
+    assert all(isinstance(x, int) and x >= 0 for x in d)
+    context = text[len(text) - min_len :] + d
+    assert len(text) >= min_len
+    assert any(is_substring(h, context) for h in [text, *docs]), (text, docs, d)
+
+
+@SETTINGS
+@given(requests_strategy, small_tokens, st.integers(1, 6), st.integers(1, 3), st.randoms(use_true_random=False))
+def test_drafts_continue_an_earlier_occurrence(requests, corpus_doc, max_draft, min_len, rnd):
+    drafter = SuffixAutomatonDrafter(max_draft_tokens=max_draft, min_match_len=min_len, corpus=[corpus_doc])
+    docs = [corpus_doc]
+    live: dict[str, tuple[list[int], int]] = {}  # req_id -> (text, prompt length)
+    for i, (prompt, response) in enumerate(requests):
+        live[f"r{i}"] = (list(prompt), len(prompt))
+        drafter.start_request(f"r{i}", prompt)
+        pos = 0
+        while pos < len(response):
+            chunk = response[pos : pos + rnd.randint(1, 4)]
+            pos += len(chunk)
+            drafter.on_accepted(f"r{i}", chunk)
+            live[f"r{i}"][0].extend(chunk)
+            ids = list(live)
+            max_tokens = rnd.randint(0, 10)
+            for rid, draft in zip(ids, drafter.propose(ids, max_tokens)):
+                check_draft(draft, live[rid][0], docs, min(max_tokens, max_draft), min_len)
+            if i and pos >= len(response) // 2 and f"r{i - 1}" in live:  # overlap two requests
+                text, n_prompt = live.pop(f"r{i - 1}")
+                drafter.stop_request(f"r{i - 1}")
+                docs.append(text[n_prompt:])
+
+
+@SETTINGS
+@given(small_tokens, st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 8), st.integers(1, 3))
+def test_local_draft_length_follows_match_length(prompt, response, max_draft, min_len):
+    drafter = SuffixAutomatonDrafter(
+        max_draft_tokens=max_draft, min_match_len=min_len, use_global=False, min_token_prob=0.0
+    )
+    drafter.start_request("a", prompt)
+    text = list(prompt)
+    for t in response:
+        drafter.on_accepted("a", [t])
+        text.append(t)
+        (draft,) = drafter.propose(["a"], 8)
+        length, _ = bf_longest_repeated_suffix(text)
+        if length < min_len:
+            assert draft == Draft()
+            continue
+        d = list(draft.token_ids)
+        ends = occurs_at(text, text[len(text) - length :] + d)
+        assert ends and len(d) >= 1
+        assert len(d) == min(max_draft, length) or ends == [len(text) - 1]
+
+
+def test_global_corpus_drafts_and_separators():
+    drafter = SuffixAutomatonDrafter(corpus=[[1, 2, 3], [4, 5, 6], [5, 6, 7, 8, 9]], min_token_prob=0.0)
+    drafter.start_request("a", [0, 5, 6])
+    assert drafter.propose(["a"], 8) == [Draft((7, 8))]  # match "5 6" (2 tokens) -> 2 tokens
+    drafter.start_request("b", [2, 3])
+    assert drafter.propose(["b"], 8) == [Draft()]  # "2 3" ended a document: nothing follows
+    drafter.start_request("c", [3, 4])
+    assert drafter.propose(["c"], 8) == [Draft((5,))]  # "3 4" spans a boundary: only "4" matches
+
+
+@pytest.mark.parametrize("use_global", [True, False])
+def test_finished_responses_feed_later_requests(use_global):
+    drafter = SuffixAutomatonDrafter(use_global=use_global)
+    response = list(range(100, 130))
+    drafter.start_request("first", [1, 2, 3])
+    drafter.on_accepted("first", response)
+    drafter.stop_request("first")
+    drafter.start_request("second", [9, 9])
+    drafter.on_accepted("second", response[:5])
+    (draft,) = drafter.propose(["second"], 8)
+    assert draft == (Draft(tuple(response[5:10])) if use_global else Draft())
+
+
+def test_registered_and_request_state_freed():
+    drafter = make_drafter("suffix", max_draft_tokens=3)
+    assert isinstance(drafter, SuffixAutomatonDrafter)
+    drafter.start_request("a", [1, 2, 1, 2])
+    assert drafter.propose(["a"], 0) == [Draft()]
+    drafter.stop_request("a")
+    drafter.stop_request("a")  # idempotent
+    with pytest.raises(InvalidRequestError, match="'a'"):
+        drafter.propose(["a"], 4)
+
+
+# ----------------------------------------------------------------- (d) replay
+
+
+def test_replay_copies_a_repeated_response():
+    rnd = random.Random(0)
+    response = [rnd.randrange(10**6) for _ in range(300)]
+    prompt = [rnd.randrange(10**6) for _ in range(50)] + response + [rnd.randrange(10**6) for _ in range(50)]
+    stats = replay(SuffixAutomatonDrafter(), [(prompt, response)], max_tokens=8)
+    assert stats.tokens == 300
+    assert stats.mean_accepted_length > 4
+    assert stats.acceptance_rate > 0.9
+
+
+def test_replay_random_tokens_accept_nothing():
+    rnd = random.Random(1)
+    pairs = [([rnd.randrange(10**9) for _ in range(100)], [rnd.randrange(10**9) for _ in range(200)]) for _ in range(3)]
+    stats = replay(SuffixAutomatonDrafter(), pairs, max_tokens=8)
+    assert stats.tokens == stats.steps == 600
+    assert stats.accepted == 0 and stats.acceptance_rate == 0.0 and stats.mean_accepted_length == 1.0
+
+
+def test_replay_global_automaton_learns_across_sequences():
+    rnd = random.Random(2)
+    response = [rnd.randrange(10**6) for _ in range(200)]
+    pairs = [([1, 2, 3], response), ([4, 5, 6], response)]
+    with_global = replay(SuffixAutomatonDrafter(), pairs, max_tokens=8)
+    without = replay(SuffixAutomatonDrafter(use_global=False), pairs, max_tokens=8)
+    assert without.accepted == 0
+    assert with_global.accepted > 150
+
+
+class _ScriptedDrafter(Drafter):
+    """Proposes from the true response: an oracle, a liar, or a tree with the truth second."""
+
+    def __init__(self, responses: dict[tuple[int, ...], list[int]], mode: str) -> None:
+        self.responses, self.mode, self.log = responses, mode, []
+
+    def start_request(self, req_id, prompt_token_ids):
+        self.req = (list(self.responses[tuple(prompt_token_ids)]), 0)
+        self.log.append(("start", req_id))
+
+    def propose(self, req_ids, max_tokens):
+        truth, pos = self.req
+        nxt = truth[pos : pos + max_tokens]
+        if self.mode == "oracle":
+            return [Draft(tuple(nxt))]
+        if self.mode == "liar":
+            return [Draft((-1,) * max_tokens)]
+        if self.mode == "too_long":
+            return [Draft((0,) * (max_tokens + 1))]
+        # tree: a wrong first child, then the truth as a chain under the second child
+        nxt = nxt[: max_tokens - 1]
+        return [Draft((-1, *nxt), (-1, -1, *range(1, len(nxt))))]
+
+    def on_accepted(self, req_id, token_ids):
+        truth, pos = self.req
+        assert list(token_ids) == truth[pos : pos + len(token_ids)] and token_ids
+        self.req = (truth, pos + len(token_ids))
+        self.log.append(("accepted", len(token_ids)))
+
+    def stop_request(self, req_id):
+        assert self.req[1] == len(self.req[0])
+        self.log.append(("stop", req_id))
+
+
+@pytest.mark.parametrize("mode", ["oracle", "tree"])
+def test_replay_accounting_with_a_perfect_drafter(mode):
+    pairs = [((1,), list(range(10))), ((2,), list(range(3)))]
+    d = _ScriptedDrafter(dict(pairs), mode)
+    stats = replay(d, pairs, max_tokens=4)
+    if mode == "oracle":  # 10 tokens: 4+1, 4+1; 3 tokens: 3 accepted, no bonus past the end
+        assert stats == ReplayStats(steps=3, tokens=13, drafted=4 + 4 + 3, accepted=11)
+    else:  # the tree holds 3 true tokens: 3+1, 3+1, 2; then 3
+        assert stats == ReplayStats(steps=4, tokens=13, drafted=4 + 4 + 3 + 4, accepted=11)
+    assert stats.mean_accepted_length == pytest.approx(13 / stats.steps)
+    assert d.log[0] == ("start", "replay-0") and d.log[-1] == ("stop", "replay-1")
+
+
+def test_replay_accounting_with_a_wrong_drafter():
+    pairs = [((1,), list(range(7)))]
+    stats = replay(_ScriptedDrafter(dict(pairs), "liar"), pairs, max_tokens=3)
+    assert stats == ReplayStats(steps=7, tokens=7, drafted=21, accepted=0)
+    assert stats.mean_accepted_length == 1.0 and stats.acceptance_rate == 0.0
+    assert ReplayStats().mean_accepted_length == 0.0 and ReplayStats().acceptance_rate == 0.0
+
+
+def test_replay_rejects_bad_drafts_and_budgets():
+    pairs = [((1,), [5, 6])]
+    with pytest.raises(SpecDecError, match="<= 2 tokens"):
+        replay(_ScriptedDrafter(dict(pairs), "too_long"), pairs, max_tokens=2)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        replay(SuffixAutomatonDrafter(), pairs, max_tokens=-1)
+
+
+# ----------------------------------------------------------------- (e) bad inputs
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_draft_tokens": 0}, "max_draft_tokens"),
+        ({"max_draft_tokens": 2.5}, "max_draft_tokens"),
+        ({"max_draft_tokens": True}, "max_draft_tokens"),
+        ({"min_match_len": 0}, "min_match_len"),
+        ({"use_global": 1}, "use_global"),
+        ({"min_token_prob": 1.5}, "min_token_prob"),
+        ({"min_token_prob": -0.1}, "min_token_prob"),
+        ({"match_len_factor": 0}, "match_len_factor"),
+        ({"match_len_factor": math.inf}, "match_len_factor"),
+        ({"corpus": [[1, 2]], "use_global": False}, "corpus"),
+        ({"corpus": [[1, 2], [3, -4]]}, r"corpus\[1\]"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SuffixAutomatonDrafter(**kwargs)
+
+
+def test_bad_requests_raise_invalid_request():
+    drafter = SuffixAutomatonDrafter()
+    drafter.start_request("a", [1, 2])
+    with pytest.raises(InvalidRequestError, match="'nope'"):
+        drafter.propose(["a", "nope"], 4)
+    with pytest.raises(InvalidRequestError, match="'nope'"):
+        drafter.on_accepted("nope", [1])
+    with pytest.raises(InvalidRequestError, match="'a'"):
+        drafter.start_request("a", [3])
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        drafter.start_request("b", [3, -1])
+    with pytest.raises(InvalidRequestError, match="token_ids"):
+        drafter.on_accepted("a", [-2])
+    with pytest.raises(ConfigError, match="max_tokens"):
+        drafter.propose(["a"], -1)
+
+
+# ----------------------------------------------------------------- (f) linear size
+
+
+@pytest.mark.parametrize("kind", ["random4", "constant", "periodic", "large_alphabet"])
+def test_build_is_linear(kind):
+    n = 200_000
+    rnd = random.Random(3)
+    gen = {
+        "random4": lambda i: rnd.randrange(4),
+        "constant": lambda i: 0,
+        "periodic": lambda i: i % 17,
+        "large_alphabet": lambda i: rnd.randrange(50_000),
+    }[kind]
+    sam = SuffixAutomaton(gen(i) for i in range(n))
+    assert sam.num_states <= 2 * n
+    assert sam.num_transitions <= 3 * n
+    m = Matcher(sam)
+    m.feed_many(gen(i) for i in range(n // 4))
+    assert m.length <= n
+
+
+def test_decode_loop_is_not_quadratic():
+    # a long, repetitive response through the whole drafter loop; quadratic work would take minutes
+    rnd = random.Random(4)
+    block = [rnd.randrange(1000) for _ in range(500)]
+    response = [t for _ in range(100) for t in block]
+    stats = replay(SuffixAutomatonDrafter(), [([1], response)], max_tokens=8)
+    assert stats.tokens == len(response)
+    assert stats.mean_accepted_length > 8
