@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdec.errors import PoolExhaustedError
+from specdec.errors import ConfigError, PoolExhaustedError
 from specdec.kvcache.manager import KVCacheManager
 from specdec.kvcache.pool import LayerSpec
 from specdec.sequence import Sequence, Status
@@ -65,8 +65,13 @@ def decide_kv_sharing(
         return KVLayoutDecision(False, "the drafter has no KV layers: nothing to share")
 
     def own_pool(reason: str, sharded: bool = False) -> KVLayoutDecision:
-        sizes = [p for p in candidate_page_sizes if reads_managed_ctx_pages(p)]
-        return KVLayoutDecision(False, reason, sizes[0] if sizes else target_tokens_per_block, sharded)
+        # Prefer the target's page size when the drafter reads it, else the first size it reads.
+        sizes = [p for p in (target_tokens_per_block, *candidate_page_sizes) if reads_managed_ctx_pages(p)]
+        if not sizes:
+            raise ConfigError(
+                f"drafter hook reads_managed_ctx_pages is false for every page size tried "
+                f"{sorted({target_tokens_per_block, *candidate_page_sizes})}: it can read no KV pool")
+        return KVLayoutDecision(False, reason, sizes[0], sharded)
 
     if not target_accepts_appended_layers:
         return own_pool("the target's KV manager does not accept appended draft layers: separate pool")

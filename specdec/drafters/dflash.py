@@ -43,6 +43,9 @@ class BlockDrafter(Drafter):
             net = self.default_checkpoint
         if not isinstance(net, BlockDrafterNet):
             net = type(self).from_pretrained(net).net
+        if self.expected_shift is not None and net.config.shift_label != self.expected_shift:
+            raise ConfigError(f"{type(self).__name__} needs shift_label={self.expected_shift}, "
+                              f"the network has shift_label={net.config.shift_label}")
         self.net = net.eval()
         self.config: BlockDrafterConfig = net.config
         self.shift_label = self.config.shift_label
@@ -68,9 +71,6 @@ class BlockDrafter(Drafter):
             shipped = sorted(p.name for p in SHIPPED_DIR.iterdir()) if SHIPPED_DIR.is_dir() else []
             raise CheckpointError(f"drafter must be one of {shipped} or a checkpoint directory, got {str(name_or_path)!r}")
         net = BlockDrafterNet.load(path)
-        if cls.expected_shift is not None and net.config.shift_label != cls.expected_shift:
-            raise ConfigError(f"{cls.__name__} needs shift_label={cls.expected_shift}, "
-                              f"checkpoint has shift_label={net.config.shift_label}")
         return cls(net)
 
     expected_shift: int | None = None

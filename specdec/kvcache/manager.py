@@ -27,6 +27,10 @@ class KVCacheManager:
     """
 
     def __init__(self, num_pages: int, tokens_per_block: int):
+        if num_pages < 0:
+            raise InvalidRequestError(f"num_pages must be >= 0, got {num_pages}")
+        if tokens_per_block < 1:
+            raise InvalidRequestError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         self.num_pages = num_pages
         self.tokens_per_block = tokens_per_block
         # Pop from the end: low page ids are handed out first.

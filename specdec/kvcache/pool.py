@@ -45,6 +45,10 @@ class LayerSpec:
             raise ConfigError(
                 f"LayerSpec.num_kv_heads and head_dim must be >= 1, got {self.num_kv_heads}, {self.head_dim}"
             )
+        if self.v_head_dim is not None and self.v_head_dim < 1:
+            raise ConfigError(f"LayerSpec.v_head_dim must be >= 1 or None, got {self.v_head_dim}")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ConfigError(f"LayerSpec.num_kv_heads must be 1 for an 'mla' latent layer, got {self.num_kv_heads}")
         if self.owner not in ("target", "draft"):
             raise ConfigError(f"LayerSpec.owner must be 'target' or 'draft', got {self.owner!r}")
 
@@ -77,6 +81,8 @@ class KVPool:
     def __init__(self, specs, num_pages: int, tokens_per_block: int, device: str | torch.device = "cpu"):
         if num_pages < 1:
             raise ConfigError(f"num_pages must be >= 1, got {num_pages}")
+        if tokens_per_block < 1:
+            raise ConfigError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         self.num_pages = num_pages
         self.tokens_per_block = tokens_per_block
         self.device = torch.device(device)

@@ -16,6 +16,8 @@ def num_pages_for_budget(budget_bytes: int, bytes_per_token: int, tokens_per_blo
     Raises:
         ConfigError: the budget does not hold a single page.
     """
+    if tokens_per_block < 1:
+        raise ConfigError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
     if bytes_per_token < 1:
         raise ConfigError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
     usable = budget_bytes - safety_margin

@@ -91,7 +91,13 @@ def _load_hf_dir(path: Path, dtype, device, name: str) -> LlamaTarget:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"checkpoint directory {str(path)!r} has no config.json")
-    config = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    raw = json.loads(cfg_file.read_text())
+    if raw.get("model_type") in ("deepseek_v3", "kimi_k2"):
+        from specdec.target.mla import MLAConfig, MLATarget
+
+        return MLATarget(MLAConfig.from_hf(raw), read_safetensors_dir(path), tokenizer=_load_tokenizer(path),
+                         name=name, dtype=dtype, device=device)
+    config = LlamaConfig.from_hf(raw)
     weights = read_safetensors_dir(path)
     return LlamaTarget(config, weights, tokenizer=_load_tokenizer(path), name=name, dtype=dtype, device=device)
 

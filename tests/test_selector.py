@@ -1,0 +1,359 @@
+"""The attention backend selector over the whole ``AttnShape`` space (DESIGN.md §4).
+
+The candidates are the registered backends plus test-local fakes whose
+``supports`` refuse some shapes, the way real kernels do. Properties: auto
+selection picks the cheapest backend that supports the shape and never one
+that does not; a requested backend is used or refused with its reason, never
+replaced. Named regressions come from the reference threads
+(``shared/reference/000``, ``001``, ``003``). Fakes are passed with
+``backends=[...]`` so the global registry is left alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.attention import selector
+from specdec.attention.backends.torch_ref import TorchRefBackend
+from specdec.attention.metadata import plan_step
+from specdec.attention.selector import available_backends, get_backend, select
+from specdec.attention.shapes import YES, AttnShape, Verdict, no
+from specdec.errors import ConfigError, UnsupportedShapeError
+
+# --------------------------------------------------------------------------- fakes
+# Subclasses of the reference backend, so plan/run work when plan_step uses them.
+
+
+class NoMidHeads(TorchRefBackend):
+    """Like trtllm-gen MLA decode: rejects 64 < H < 128; fast."""
+
+    name = "fake_no_mid_heads"
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        if 64 < shape.num_heads < 128:
+            return no(f"num_heads must not be in (64, 128), got {shape.num_heads}")
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        return 1.0
+
+
+class Page32Only(TorchRefBackend):
+    """Like a fallback whose kernels exist only for 32-token pages; fastest on GPU."""
+
+    name = "fake_page32_only"
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        if shape.tokens_per_block != 32:
+            return no(f"no kernel for tokens_per_block={shape.tokens_per_block} (only 32)")
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        return 0.8 if shape.device == "cuda" else 3.0
+
+
+class DecodeOnlyCheap(TorchRefBackend):
+    """Cheaper than everything else, but only one query token per request."""
+
+    name = "fake_decode_only"
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        if shape.max_q_len != 1:
+            return no(f"max_q_len must be 1, got {shape.max_q_len}")
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        return 0.1
+
+
+class CudaMlaNoHelix(TorchRefBackend):
+    """A GPU MLA kernel: cuda, sm >= 90, kind mla, no Helix, bf16/fp8 cache; cost grows with H."""
+
+    name = "fake_cuda_mla"
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        if shape.device != "cuda" or (shape.sm or 0) < 90:
+            return no(f"needs cuda sm >= 90, got {shape.device} sm={shape.sm}")
+        if shape.kind != "mla":
+            return no(f"kind must be 'mla', got {shape.kind!r}")
+        if shape.helix_cp != 1:
+            return no(f"Helix (cp={shape.helix_cp}) not supported")
+        if shape.kv_dtype not in ("bfloat16", "float8_e4m3fn"):
+            return no(f"kv_dtype must be bfloat16 or float8_e4m3fn, got {shape.kv_dtype}")
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        return shape.num_heads / 64
+
+
+class HelixAny(TorchRefBackend):
+    """A correctness-first kernel (like CuTe DSL for Helix): every shape except mixed context phases; slow-ish."""
+
+    name = "fake_helix_any"
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        if shape.phase == "context" and shape.helix_cp > 1:
+            return no("Helix context phase not supported")
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        return 5.0
+
+
+class TieA(TorchRefBackend):
+    name = "fake_tie_a"
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        return YES if shape.kind == "gqa" else no(f"kind must be 'gqa', got {shape.kind!r}")
+
+    def cost(self, shape: AttnShape) -> float:
+        return 2.0
+
+
+class TieB(TieA):
+    name = "fake_tie_b"
+
+
+FAKES = [NoMidHeads(), Page32Only(), DecodeOnlyCheap(), CudaMlaNoHelix(), HelixAny(), TieA(), TieB()]
+REF = get_backend("torch_ref")
+
+
+def all_backends():
+    """The real registered backends plus the fakes (registered ones first)."""
+    return available_backends() + FAKES
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+head_counts = st.one_of(
+    st.integers(1, 160),
+    st.sampled_from([8, 12, 16, 32, 33, 48, 63, 64, 65, 96, 120, 127, 128, 129, 160]),
+)
+DTYPES = ["float32", "bfloat16", "float16", "float8_e4m3fn"]
+
+
+@st.composite
+def attn_shapes(draw) -> AttnShape:
+    phase = draw(st.sampled_from(["context", "generation"]))
+    kind = draw(st.sampled_from(["gqa", "mla"]))
+    h = draw(head_counts)
+    if kind == "mla":
+        hkv, head_dim, v_head_dim = 1, draw(st.sampled_from([576, 192, 40])), draw(st.sampled_from([512, 128, 32]))
+    else:
+        hkv = draw(st.sampled_from(divisors(h)))
+        head_dim = draw(st.sampled_from([32, 64, 80, 128, 256]))
+        v_head_dim = draw(st.sampled_from([head_dim, 64, 128]))
+    if phase == "context":
+        max_q_len = draw(st.one_of(st.integers(1, 8), st.integers(9, 8192)))
+    else:
+        max_q_len = draw(st.integers(1, 9))  # decode (1) or verify (1 + k)
+    device = draw(st.sampled_from(["cpu", "cuda"]))
+    return AttnShape(
+        phase=phase,
+        kind=kind,
+        num_heads=h,
+        num_kv_heads=hkv,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        tokens_per_block=draw(st.sampled_from([1, 4, 8, 16, 32, 64, 128])),
+        max_q_len=max_q_len,
+        kv_dtype=draw(st.sampled_from(DTYPES)),
+        q_dtype=draw(st.sampled_from(DTYPES[:3])),
+        device=device,
+        sm=draw(st.sampled_from([80, 90, 100, 103, 120])) if device == "cuda" else None,
+        helix_cp=draw(st.sampled_from([1, 1, 2, 4, 8])),
+        mixed=phase == "generation" and draw(st.booleans()),
+    )
+
+
+# A random subset (possibly without torch_ref, so "nothing supports" happens) in random order.
+backend_pools = st.lists(st.sampled_from(all_backends()), min_size=1, unique_by=lambda b: b.name).map(list)
+
+SETTINGS = settings(max_examples=200, deadline=None)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@SETTINGS
+@given(shape=attn_shapes(), pool=backend_pools)
+def test_auto_picks_the_cheapest_supporting_backend(shape, pool):
+    supporting = [b for b in pool if b.supports(shape).ok]
+    if not supporting:
+        with pytest.raises(UnsupportedShapeError) as err:
+            select(shape, backends=pool)
+        for b in pool:  # the message gives every candidate's reason
+            assert b.name in str(err.value) and b.supports(shape).reason in str(err.value)
+        return
+    chosen = select(shape, backends=pool)
+    assert chosen in pool
+    assert chosen.supports(shape).ok, f"auto picked {chosen.name}, which refuses {shape}"
+    assert chosen.cost(shape) == min(b.cost(shape) for b in supporting)
+    # Deterministic: the order of candidates does not matter.
+    assert select(shape, backends=list(reversed(pool))) is chosen
+
+
+@SETTINGS
+@given(shape=attn_shapes())
+def test_auto_with_the_reference_always_finds_one(shape):
+    chosen = select(shape, backends=all_backends())
+    assert chosen.supports(shape).ok
+    assert select(shape).supports(shape).ok  # the global registry (torch_ref supports everything)
+
+
+@SETTINGS
+@given(shape=attn_shapes(), pool=backend_pools, data=st.data())
+def test_requested_is_used_or_refused_never_replaced(shape, pool, data):
+    wanted = data.draw(st.sampled_from(pool))
+    verdict = wanted.supports(shape)
+    if verdict.ok:
+        assert select(shape, requested=wanted.name, backends=pool) is wanted
+    else:
+        with pytest.raises(UnsupportedShapeError) as err:
+            select(shape, requested=wanted.name, backends=pool)
+        msg = str(err.value)
+        assert repr(wanted.name) in msg and verdict.reason in msg
+        assert str(shape) in msg
+
+
+@settings(max_examples=50, deadline=None)
+@given(shape=attn_shapes(), pool=backend_pools, name=st.text(max_size=8))
+def test_unknown_requested_name_is_a_config_error(shape, pool, name):
+    if name in {b.name for b in pool}:
+        name += "_nope"
+    with pytest.raises(ConfigError, match="attention_backend") as err:
+        select(shape, requested=name, backends=pool)
+    assert repr(name) in str(err.value)
+    assert not isinstance(err.value, UnsupportedShapeError)
+
+
+def test_fakes_do_not_leak_into_the_registry():
+    names = {b.name for b in available_backends()}
+    assert "torch_ref" in names and not names & {b.name for b in FAKES}
+    shape = AttnShape("generation", "gqa", 8, 2, 64, 64, 16, 1)
+    with pytest.raises(ConfigError, match="fake_decode_only"):
+        select(shape, requested="fake_decode_only")
+    with pytest.raises(ConfigError, match="nope"):
+        get_backend("nope")
+
+
+def test_cost_ties_break_by_name():
+    shape = AttnShape("context", "gqa", 8, 2, 64, 64, 16, 128)
+    assert select(shape, backends=[TieB(), TieA(), REF]).name == "fake_tie_a"
+
+
+# --------------------------------------------------------------------------- named regressions
+
+
+def mla(phase: str, h: int, max_q_len: int, tokens_per_block: int = 32, **kw) -> AttnShape:
+    """A Kimi/DeepSeek-like absorbed MLA shape."""
+    kw = {"kv_dtype": "bfloat16", "q_dtype": "bfloat16", "device": "cuda", "sm": 100, **kw}
+    return AttnShape(phase, "mla", h, 1, 576, 512, tokens_per_block, max_q_len, **kw)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["generation_only", "mixed"])
+@pytest.mark.parametrize("max_q_len", [4, 1], ids=["verify", "decode"])
+def test_h96_generation_avoids_the_backend_that_rejects_mid_heads(mixed, max_q_len):
+    """Reference 000/001: H = 96 verify batches went to a kernel rejecting 64 < H < 128."""
+    shape = mla("generation", 96, max_q_len, mixed=mixed, helix_cp=1)
+    mid = NoMidHeads()
+    assert select(shape, backends=[mid, REF]) is REF
+    assert select(shape, backends=[mid, HelixAny(), REF]).name == "fake_helix_any"
+    with pytest.raises(UnsupportedShapeError, match=r"fake_no_mid_heads.*num_heads must not be in \(64, 128\)"):
+        select(shape, requested="fake_no_mid_heads", backends=[mid, REF])
+    # Controls: where the fast kernel is legal it is still chosen.
+    for h in (12, 64, 128):
+        assert select(mla("generation", h, max_q_len, mixed=mixed), backends=[mid, REF]) is mid
+
+
+def test_h96_mixed_step_chooses_per_phase(monkeypatch):
+    """The generation part of a mixed batch is a generation batch: each phase gets its own backend."""
+    for fake in (NoMidHeads(), DecodeOnlyCheap()):
+        monkeypatch.setitem(selector._BACKENDS, fake.name, fake)  # restored after the test
+
+    def shape_of(phase, q, mixed):
+        return AttnShape(phase, "mla", 96, 1, 40, 32, 4, q, mixed=mixed)
+
+    tables = ((0, 1), (2,), (3, 4))
+    slot_mapping = torch.arange(5 + 1 + 1)
+    # Context (5 tokens), then two decode requests.
+    attn = plan_step([(5, 5, tables[0])], [(1, 3, tables[1]), (1, 6, tables[2])], slot_mapping, shape_of, 4)
+    assert attn.backends == {"context": "torch_ref", "generation": "fake_decode_only"}
+    assert attn.phases[1].shape.mixed and not attn.phases[0].shape.mixed
+    # Verify (1 + 3 tokens): decode-only is refused, 64 < H < 128 is refused, the reference runs it.
+    slot_mapping = torch.arange(5 + 4)
+    attn = plan_step([(5, 5, tables[0])], [(4, 7, tables[2])], slot_mapping, shape_of, 4)
+    assert attn.backends == {"context": "torch_ref", "generation": "torch_ref"}
+    with pytest.raises(UnsupportedShapeError, match="fake_decode_only.*max_q_len must be 1"):
+        plan_step([], [(4, 7, tables[2])], torch.arange(4), shape_of, 4, requested="fake_decode_only")
+
+
+@pytest.mark.parametrize("max_q_len", [1, 3])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_h48_helix_on_64_token_pages_avoids_the_page32_only_backend(max_q_len, mixed):
+    """Reference 003: Helix MLA, 48 heads, 64-token pages fell to a fallback with no page-64 kernel."""
+    shape = mla("generation", 48, max_q_len, tokens_per_block=64, helix_cp=4, mixed=mixed, kv_dtype="float8_e4m3fn")
+    fallback, cute, cuda_mla = Page32Only(), HelixAny(), CudaMlaNoHelix()
+    pool = [fallback, cuda_mla, cute, REF]
+    assert select(shape, backends=pool) is cute
+    assert select(shape, backends=[fallback, REF]) is REF
+    with pytest.raises(UnsupportedShapeError, match=r"fake_page32_only.*tokens_per_block=64"):
+        select(shape, requested="fake_page32_only", backends=pool)
+    with pytest.raises(UnsupportedShapeError, match=r"fake_cuda_mla.*Helix"):
+        select(shape, requested="fake_cuda_mla", backends=pool)
+    # Control: on 32-token pages the cheap fallback is legal and chosen.
+    ok = mla("generation", 48, max_q_len, tokens_per_block=32, helix_cp=4, mixed=mixed)
+    assert select(ok, backends=pool) is fallback
+
+
+def test_no_backend_supports_names_every_reason():
+    shape = AttnShape("generation", "gqa", 96, 8, 128, 128, 64, 4)
+    with pytest.raises(UnsupportedShapeError) as err:
+        select(shape, backends=[NoMidHeads(), Page32Only(), DecodeOnlyCheap()])
+    msg = str(err.value)
+    for part in ("fake_no_mid_heads", "(64, 128)", "fake_page32_only", "tokens_per_block=64", "fake_decode_only",
+                 "max_q_len must be 1"):
+        assert part in msg
+    with pytest.raises(UnsupportedShapeError):
+        select(shape, backends=[])
+
+
+# --------------------------------------------------------------------------- AttnShape validation
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(num_heads=12, num_kv_heads=5), r"num_heads \(12\) must be a multiple of num_kv_heads \(5\)"),
+        (dict(num_heads=96, num_kv_heads=64), r"num_heads \(96\) must be a multiple of num_kv_heads \(64\)"),
+        (dict(phase="prefill"), r"AttnShape\.phase.*'prefill'"),
+        (dict(phase="verify"), r"AttnShape\.phase.*'verify'"),
+        (dict(kind="mha"), r"AttnShape\.kind.*'mha'"),
+        (dict(num_heads=0), r"AttnShape\.num_heads must be >= 1"),
+        (dict(num_kv_heads=0), r"AttnShape\.num_kv_heads must be >= 1"),
+        (dict(head_dim=0), r"AttnShape\.head_dim must be >= 1"),
+        (dict(v_head_dim=-1), r"AttnShape\.v_head_dim must be >= 1"),
+        (dict(tokens_per_block=0), r"AttnShape\.tokens_per_block must be >= 1"),
+        (dict(max_q_len=0), r"AttnShape\.max_q_len must be >= 1"),
+        (dict(helix_cp=0), r"AttnShape\.helix_cp must be >= 1"),
+    ],
+)
+def test_attn_shape_validation_names_the_field(overrides, match):
+    base = dict(phase="generation", kind="gqa", num_heads=32, num_kv_heads=8, head_dim=64, v_head_dim=64,
+                tokens_per_block=16, max_q_len=1)
+    with pytest.raises(ConfigError, match=match):
+        AttnShape(**{**base, **overrides})
+
+
+def test_verdict_truthiness():
+    assert YES and YES.ok and YES.reason == ""
+    refusal = no("because")
+    assert not refusal and refusal == Verdict(False, "because")
