@@ -100,6 +100,8 @@ def cmd_train_drafter(args) -> int:
         data.tokens = [t.to(target.device) for t in data.tokens]
     else:
         prompts = training_prompts(args.num_text_prompts, seed=args.seed)
+        if args.limit_prompts:
+            prompts = prompts[: args.limit_prompts]
         print(f"self-distillation: {len(prompts)} prompts, {args.max_new_tokens} new tokens each", file=sys.stderr)
         data = build_distill_data(target, prompts, layer_ids, args.max_new_tokens, batch_size=args.batch_size)
         if data_path is not None:
@@ -115,13 +117,14 @@ def cmd_train_drafter(args) -> int:
                                  intermediate_size=tc.intermediate_size, mask_token_id=args.mask_token_id,
                                  rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta)
         train = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
-                            lr=args.lr, seed=args.seed)
+                            lr=args.lr, seed=args.seed, max_seconds=args.max_seconds)
         net, losses = train_block_drafter(target, data, cfg, train)
         out = Path(args.out) / f"{Path(str(args.target)).name}-{kind}" if args.kind == "both" else Path(args.out)
         net.to(torch.bfloat16).save(out)
         (out / "training.json").write_text(json.dumps({"target": str(args.target), "train": {
             k: getattr(train, k) for k in train.__slots__}, "sequences": len(data.tokens),
-            "loss_first_50": sum(losses[:50]) / len(losses[:50]), "loss_last_50": sum(losses[-50:]) / len(losses[-50:])},
+            "steps_run": len(losses), "loss_first_50": sum(losses[:50]) / len(losses[:50]),
+            "loss_last_50": sum(losses[-50:]) / len(losses[-50:])},
             indent=2))
         print(f"{kind}: loss {losses[0]:.3f} -> {sum(losses[-50:]) / len(losses[-50:]):.3f}, saved to {out}")
     return 0
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--num-target-layers", type=int, default=3, help="target layers tapped, spread over the depth")
     t.add_argument("--num-text-prompts", type=int, default=400, help="prompts built from real text besides HumanEval 0-99")
     t.add_argument("--max-new-tokens", type=int, default=256)
+    t.add_argument("--limit-prompts", type=int, default=None, help="use only the first N prompts (smoke runs)")
     t.add_argument("--batch-size", type=int, default=64, help="generation batch for the distillation data")
     t.add_argument("--seqs-per-step", type=int, default=16)
     t.add_argument("--anchors", type=int, default=32)
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--mask-token-id", type=int, default=0)
     t.add_argument("--data", default=None, help="cache file for the distillation data (reused if present)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-seconds", type=float, default=None, help="time budget per drafter (cuts --steps)")
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     t.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)

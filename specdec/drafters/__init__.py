@@ -9,9 +9,13 @@ from specdec.drafters.base import (
     make_drafter,
     register_drafter,
 )
+from specdec.drafters.dflash import BlockDrafter, DFlashDrafter, DSparkDrafter
 from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
 
 __all__ = [
+    "BlockDrafter",
+    "DFlashDrafter",
+    "DSparkDrafter",
     "Draft",
     "Drafter",
     "NullDrafter",

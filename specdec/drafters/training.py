@@ -38,6 +38,7 @@ class TrainConfig:
         lr: peak AdamW learning rate (linear warm-up, cosine decay).
         decay: loss weight of slot ``j`` (0-based drafting slot) is ``exp(-j / decay)``.
         seed: RNG seed.
+        max_seconds: if set, ``steps`` is cut after 10 timed steps so training fits this budget.
     """
 
     steps: int = 1000
@@ -46,6 +47,7 @@ class TrainConfig:
     lr: float = 6e-4
     decay: float = 4.0
     seed: int = 0
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq"):
@@ -190,11 +192,16 @@ def train_block_drafter(target, data: DistillData, config: BlockDrafterConfig, t
         raise ConfigError(f"target_layer_ids {config.target_layer_ids} must equal the data's {data.layer_ids}")
     torch.manual_seed(train.seed)
     rng = random.Random(train.seed)
-    net = init_weights(BlockDrafterNet(config), seed=train.seed).to(target.device)
-    net.train()
+    net = init_weights(BlockDrafterNet(config), seed=train.seed)
+    with torch.no_grad():  # start from the target's own output norm: the LM head expects its scale
+        if config.hidden_size == target.hidden_size and hasattr(target, "final_norm"):
+            net.norm.weight.copy_(target.final_norm.float().cpu())
+    net = net.to(target.device).train()
     opt = torch.optim.AdamW(net.parameters(), lr=train.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    total = [train.steps]  # may shrink to fit max_seconds; the schedule follows it
     warm = max(1, train.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / train.steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total[0]))))
     embed, lm_head = target.embed.detach(), target.lm_head.detach()
     amp = target.device.type == "cuda"
     losses = []
@@ -203,7 +210,15 @@ def train_block_drafter(target, data: DistillData, config: BlockDrafterConfig, t
         from tqdm.auto import tqdm
 
         bar = tqdm(total=train.steps, desc=f"train {'dflash' if config.shift_label == 0 else 'dspark'}")
-    for step in range(train.steps):
+    import time
+
+    t_start, step = time.perf_counter(), 0
+    while step < total[0]:
+        if train.max_seconds and step == 10:
+            per_step = (time.perf_counter() - t_start) / 10
+            total[0] = max(11, min(train.steps, int(train.max_seconds / per_step)))
+            if bar is not None:
+                bar.total = total[0]
         seqs = [rng.randrange(len(data.tokens)) for _ in range(train.seqs_per_step)]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             loss = block_loss(net, embed, lm_head, data, seqs, rng, train)
@@ -217,6 +232,7 @@ def train_block_drafter(target, data: DistillData, config: BlockDrafterConfig, t
             bar.update(1)
             if step % log_every == 0:
                 bar.set_postfix(loss=f"{sum(losses[-log_every:]) / len(losses[-log_every:]):.3f}")
+        step += 1
     if bar is not None:
         bar.close()
     return net.eval(), losses
