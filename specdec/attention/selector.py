@@ -78,3 +78,15 @@ def select(
 
 
 register_backend(TorchRefBackend())
+
+try:  # Triton kernels are optional (pip extra "gpu"); without triton only the reference is registered.
+    import triton  # noqa: F401
+except ImportError:
+    triton = None
+if triton is not None:
+    from specdec.attention.backends.triton_gqa import TritonGQABackend
+
+    register_backend(TritonGQABackend())
+    from specdec.attention.backends.triton_mla import TritonMLABackend
+
+    register_backend(TritonMLABackend())

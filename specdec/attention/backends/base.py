@@ -63,6 +63,8 @@ class AttentionBackend:
         v_cache: torch.Tensor | None,
         scale: float,
         v_head_dim: int,
+        *,
+        kv_scale: float = 1.0,
     ) -> torch.Tensor:  # pragma: no cover - abstract
         """Attend the phase's queries over the cache.
 
@@ -74,6 +76,8 @@ class AttentionBackend:
                 K-only (MLA latent) layer, whose V is ``K[..., :v_head_dim]``.
             scale: softmax scale, always explicit.
             v_head_dim: output width per head.
+            kv_scale: per-tensor dequantisation scale of the cache, K and V alike
+                (an FP8 cache holds ``value / kv_scale``); 1.0 for bf16/fp32 caches.
 
         Returns:
             ``[num_tokens, num_heads, v_head_dim]``.

@@ -65,12 +65,16 @@ class TorchRefBackend(AttentionBackend):
             num_tokens=batch.num_tokens,
         )
 
-    def run(self, plan: RefPlan, q, k_cache, v_cache, scale: float, v_head_dim: int) -> torch.Tensor:
+    def run(
+        self, plan: RefPlan, q, k_cache, v_cache, scale: float, v_head_dim: int, *, kv_scale: float = 1.0
+    ) -> torch.Tensor:
         num_heads = q.shape[1]
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[plan.q_index]  # [B, max_q, H, D]
         k = k_cache[plan.gather]  # [B, max_kv, Hkv, D]
         v = (v_cache[plan.gather] if v_cache is not None else k[..., :v_head_dim])  # [B, max_kv, Hkv, Dv]
         k, v = k.to(q.dtype), v.to(q.dtype)
+        if kv_scale != 1.0:  # dequantise an FP8 cache (per-tensor scale)
+            k, v = k * kv_scale, v * kv_scale
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             k.transpose(1, 2),

@@ -1,0 +1,550 @@
+"""Triton paged MLA decode / verify: the generation phase of an absorbed-MLA layer.
+
+Absorbed MLA (DESIGN.md §4): every query head attends over one latent "KV head"
+whose rows hold ``latent`` values (also used as V) followed by ``rope`` values.
+Queries are ``[num_tokens, H, latent + rope]``, the cache is the pool's K-only
+layout ``[num_slots, 1, latent + rope]`` addressed through page tables
+(``slot = page * tokens_per_block + offset``), the output is ``[num_tokens, H, latent]``.
+
+Kernel design
+-------------
+Stage 1, ``_mla_stage1``, grid ``(row_blocks, num_splits, num_seqs)``:
+
+* *rows*: the ``q_len * H`` query rows of one request (token-major: row
+  ``r`` is verify token ``r // H``, head ``r % H``) are processed together,
+  ``BLOCK_M`` rows per program. A program loads its rows' queries once, then
+  walks KV tiles of ``BLOCK_N`` tokens (``BLOCK_N`` divides the page size, so a
+  tile lies in one page: one page-table lookup per tile). Each tile is loaded
+  once per program and used twice: ``[BLOCK_M, latent+rope] x [latent+rope, BLOCK_N]``
+  for the scores and its latent part ``[BLOCK_N, latent]`` as V.
+* *block sizes* (defaults; :class:`TritonMLAConfig` overrides): ``BLOCK_M``
+  = the smallest of 16/32/64 covering ``q_len * H`` (4 warps at 16 rows,
+  8 otherwise; 64 rows use Hopper wgmma), ``BLOCK_N = min(page, 32)``, two
+  pipeline stages. Offline sm90 compiles (512 + 64, ``ptxas -v``): 16 and 32
+  rows fit in registers; 64 rows use 255 registers with ~100 B of spills and
+  ~147 KB of shared memory.
+* *KV reads*: each KV tile of a request is read by ``cdiv(q_len * H, BLOCK_M)``
+  programs (the row blocks of that request): exactly once when
+  ``q_len * H <= 64`` (H = 16 with ``q_len`` <= 4, H = 48/64 decode), else
+  ``cdiv(q_len * H, 64)`` times (H = 96: 2/3/6/12 times for ``q_len`` 1/2/4/8;
+  H = 128: 2/4/8/16). Row blocks are the fastest grid axis, so the programs
+  sharing a tile run together and the repeats mostly hit L2; HBM sees about
+  one read, L2 all of them.
+* *causal*: query ``i`` of a request with ``q_len`` tokens and ``kv_len``
+  cached tokens sees keys ``0 .. kv_len - q_len + i``. A program stops at the
+  last key any of its rows can see.
+* *split-KV*: the ``num_splits`` programs of a (request, row block) each cover
+  a chunk of ``cdiv(cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N`` tokens.
+  With one split the program writes the final output; with several, each
+  writes a normalised partial output and its log-sum-exp (base 2, fp32), and
+  stage 2 (``_mla_merge``, grid ``(num_tokens, cdiv(H, 16))``) merges them exactly.
+
+Numerics: scores and the output accumulate in fp32 (``exp2`` online softmax).
+KV tiles are converted to the query dtype before the dots (the torch reference
+does the same); FP8 E4M3 caches are exact in bf16/fp32, and their per-tensor
+``kv_scale`` is folded into the score scale and applied once to the output.
+fp32 queries (interpreter tests) use IEEE fp32 dots.
+
+``supports`` states the limits; see :meth:`TritonMLABackend.supports`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.attention.backends.base import AttentionBackend, PhaseBatch
+from specdec.attention.shapes import YES, AttnShape, Verdict, no
+from specdec.errors import ConfigError
+
+# Triton decides at decoration time whether a kernel is compiled or interpreted
+# (TRITON_INTERPRET=1). Our kernels are decorated at import, so this is fixed
+# for the life of the module, and ``supports`` reports it truthfully.
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+
+TOKENS_PER_BLOCK = (16, 32, 64, 128)
+# On the GPU only the configurations the launch heuristics were sized for (shared memory,
+# registers; fp32 tiles would double both). fp32 exists for exact tests on the interpreter.
+Q_DTYPES_GPU = ("bfloat16",)
+KV_DTYPES_GPU = ("bfloat16", "float8_e4m3fn")
+Q_DTYPES_CPU = ("float32", "bfloat16")
+KV_DTYPES_CPU = ("float32", "bfloat16", "float8_e4m3fn")
+LATENT_DIMS = (16, 32, 64, 128, 256, 512)  # tl.arange needs powers of two; tl.dot needs >= 16
+ROPE_DIMS = (16, 32, 64)
+MAX_Q_LEN = 16  # largest verify length the tests cover (the mask is generic; the claim is not)
+# Validated on the GPU by tests/test_triton_mla.py::TestGPU. Add an arch only after that
+# test class has passed on it (shared-memory budgets differ: sm86/89/120 have ~100 KB).
+VALIDATED_SM = (90,)
+FP8_MIN_SM = 89  # native e4m3 conversion
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _probe_loop(X, n):
+    acc = tl.load(X)
+    for _ in range(0, n):
+        acc += 1
+    tl.store(X, acc)
+
+
+@triton.jit
+def _probe_bf16_dot(A, C):
+    offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    a = tl.load(A + offs)
+    tl.store(C + offs, tl.dot(a, a))
+
+
+@functools.cache
+def interpreter_runs_loops() -> bool:
+    """Whether kernels with runtime loop bounds run (always true when compiled).
+
+    Triton 3.6's interpreter cannot: it calls ``int()`` on a 1-element array,
+    an error since NumPy 2.4 (triton-lang/triton#9171, fixed upstream).
+    Probed once; callers that patch the interpreter clear the cache.
+    """
+    if not INTERPRET:
+        return True
+    x = torch.zeros(1, dtype=torch.int32)
+    try:
+        _probe_loop[(1,)](x, 3)
+    except Exception:  # the interpreter's error types vary across versions
+        return False
+    return int(x) == 3
+
+
+@functools.cache
+def interpreter_bf16_dot() -> bool:
+    """Whether ``tl.dot`` of bf16 operands is right (always true when compiled).
+
+    Triton's interpreter stores bf16 as uint16 and multiplies the bit patterns
+    (triton-lang/triton#11584; bf16 arithmetic is documented as unsupported in
+    interpreter mode). Probed once; callers that patch the interpreter clear the cache.
+    """
+    if not INTERPRET:
+        return True
+    a = torch.eye(16, dtype=torch.bfloat16) * 2
+    c = torch.zeros(16, 16)
+    try:
+        _probe_bf16_dot[(1,)](a, c)
+    except Exception:
+        return False
+    return bool(torch.equal(c, torch.eye(16) * 4))
+
+
+@triton.jit
+def _mla_stage1(
+    Q,  # [num_tokens, H, LAT + ROPE]
+    KV,  # [num_slots, 1, LAT + ROPE]
+    Out,  # [num_tokens, H, LAT] (used when not SPLIT)
+    OPart,  # [num_tokens, H, num_splits, LAT] fp32 (used when SPLIT)
+    LsePart,  # [num_tokens, H, num_splits] fp32, log2 domain (used when SPLIT)
+    PageTable,  # [num_seqs, max_pages] int32
+    KvLens,  # [num_seqs] int32
+    QStart,  # [num_seqs] int32
+    QLens,  # [num_seqs] int32
+    qk_scale,  # softmax scale * kv_scale * log2(e)
+    v_scale,  # kv_scale
+    num_heads,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    LAT: tl.constexpr,
+    ROPE: tl.constexpr,
+    TPB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    q_len = tl.load(QLens + seq)
+    kv_len = tl.load(KvLens + seq)
+    q_start = tl.load(QStart + seq)
+    rows = q_len * num_heads
+    if pid_m * BLOCK_M >= rows:  # a shorter request of the batch: no rows here
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row within the request
+    row_ok = offs_m < rows
+    tok = offs_m // num_heads
+    head = offs_m % num_heads
+    last_key = kv_len - q_len + tok  # causal: row sees keys 0 .. last_key
+    offs_lat = tl.arange(0, LAT)
+    offs_rope = tl.arange(0, ROPE)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M] pointers
+    q_lat = tl.load(q_row[:, None] + offs_lat[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(q_row[:, None] + LAT + offs_rope[None, :], mask=row_ok[:, None], other=0.0)
+
+    # This program's keys: its split's chunk, cut at the last key any of its rows sees.
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // num_heads, q_len - 1)
+    hi = tl.minimum(tl.minimum(lo + chunk, kv_len), kv_len - q_len + last_tok + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, LAT], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + offs_n
+        key_ok = keys < kv_len  # never read past the request's cache: pad slots may hold NaN
+        page = tl.load(PageTable + seq * stride_pt + start // TPB).to(tl.int64)
+        slot = page * TPB + (start % TPB) + offs_n  # [BLOCK_N], one page per tile
+        kv_row = KV + slot * stride_kv
+        k_lat = tl.load(kv_row[:, None] + offs_lat[None, :], mask=key_ok[:, None], other=0.0).to(q_lat.dtype)
+        k_rope = tl.load(kv_row[:, None] + LAT + offs_rope[None, :], mask=key_ok[:, None], other=0.0).to(q_lat.dtype)
+
+        s = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        s = tl.dot(q_lat, tl.trans(k_lat), s, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        s = tl.where(keys[None, :] <= last_key[:, None], s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PRECISION)  # V = latent part
+        m_i = m_new
+
+    acc = acc * v_scale
+    t_row = (q_start + tok).to(tl.int64)
+    if SPLIT:
+        empty = l_i == 0.0  # no visible key in this chunk
+        l_safe = tl.where(empty, 1.0, l_i)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        part = (t_row * num_heads + head) * num_splits + pid_s  # [BLOCK_M]
+        tl.store(LsePart + part, lse, mask=row_ok)
+        tl.store(OPart + part[:, None] * LAT + offs_lat[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    else:
+        # One split sees key 0, which every row may attend to, so l_i > 0.
+        o = acc / l_i[:, None]
+        o_ptr = Out + t_row * stride_ot + head * stride_oh
+        tl.store(o_ptr[:, None] + offs_lat[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _mla_merge(
+    OPart,  # [num_tokens, H, num_splits, LAT] fp32
+    LsePart,  # [num_tokens, H, num_splits] fp32, log2 domain
+    Out,  # [num_tokens, H, LAT]
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    LAT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    offs_d = tl.arange(0, LAT)
+    part = (t * num_heads + heads) * num_splits  # [BLOCK_H], split 0
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, LAT], dtype=tl.float32)
+    for s in range(num_splits):  # online merge; an empty split has lse = -inf and weight 0
+        lse = tl.load(LsePart + part + s, mask=head_ok, other=float("-inf"))
+        o = tl.load(OPart + (part + s)[:, None] * LAT + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        total = total * alpha + w
+        m = m_new
+    # total > 0 for every real row: the split holding key 0 is visible to all of them.
+    total = tl.where(head_ok, total, 1.0)
+    o_ptr = Out + t * stride_ot + heads * stride_oh
+    tl.store(o_ptr[:, None] + offs_d[None, :], (acc / total[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
+
+
+@dataclass(frozen=True, slots=True)
+class TritonMLAConfig:
+    """Launch choices of :class:`TritonMLABackend` (speed only; never correctness).
+
+    Attributes:
+        num_splits: fixed KV splits per request; ``None`` chooses from the batch.
+        min_split_tokens: automatic splitting keeps at least this many keys per split.
+        waves: automatic splitting aims at ``waves * num_SMs`` stage-1 programs.
+        block_m: query rows per program (16, 32 or 64); ``None``: the smallest
+            power of two >= ``q_len * H``, at most 64.
+        block_n: KV tokens per tile; must divide the page size; ``None``: min(page, 32).
+        num_warps: ``None``: 4 for ``block_m = 16``, else 8.
+        num_stages: software-pipelining depth of the KV loop.
+    """
+
+    num_splits: int | None = None
+    min_split_tokens: int = 256
+    waves: float = 2.0
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ConfigError(f"TritonMLAConfig.num_splits must be >= 1 or None, got {self.num_splits}")
+        if self.min_split_tokens < 1:
+            raise ConfigError(f"TritonMLAConfig.min_split_tokens must be >= 1, got {self.min_split_tokens}")
+        if self.waves <= 0:
+            raise ConfigError(f"TritonMLAConfig.waves must be > 0, got {self.waves}")
+        if self.block_m is not None and self.block_m not in (16, 32, 64):
+            raise ConfigError(f"TritonMLAConfig.block_m must be 16, 32 or 64, got {self.block_m}")
+        if self.block_n is not None and self.block_n not in (16, 32, 64, 128):
+            raise ConfigError(f"TritonMLAConfig.block_n must be 16, 32, 64 or 128, got {self.block_n}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ConfigError(f"TritonMLAConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ConfigError(f"TritonMLAConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+@dataclass(frozen=True, slots=True)
+class TritonMLAPlan:
+    """Device metadata of one generation phase, built once per step.
+
+    Attributes:
+        page_table: physical pages, zero-padded. ``[num_seqs, max_pages]`` int32
+        kv_lens: ``[num_seqs]`` int32
+        q_start: first query row of each request in the phase. ``[num_seqs]`` int32
+        q_lens: ``[num_seqs]`` int32
+        num_seqs, num_tokens, max_q_len, max_kv_len: host copies for the launch.
+        tokens_per_block: page size.
+        block_n: KV tile (divides the page size).
+        num_splits: most KV splits per request (``run`` may use fewer when the
+            query rows alone fill the GPU).
+        target_programs: stage-1 programs that fill the device.
+    """
+
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    q_start: torch.Tensor
+    q_lens: torch.Tensor
+    num_seqs: int
+    num_tokens: int
+    max_q_len: int
+    max_kv_len: int
+    tokens_per_block: int
+    block_n: int
+    num_splits: int
+    target_programs: int
+
+
+class TritonMLABackend(AttentionBackend):
+    """Paged absorbed-MLA attention for decode and multi-token verify, in Triton."""
+
+    name = "triton_mla"
+
+    def __init__(self, config: TritonMLAConfig | None = None):
+        self.config = config or TritonMLAConfig()
+        self._sms: dict[int, int] = {}
+
+    def _num_sms(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 1  # the interpreter runs one program at a time
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._sms:
+            self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._sms[index]
+
+    # ------------------------------------------------------------------ supports / cost
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        """Whether the kernels compute ``shape`` correctly.
+
+        Limits: ``kind == "mla"`` (the pool's K-only latent layout, one KV head,
+        V = the latent part of K); ``phase == "generation"`` (mixed or not);
+        ``max_q_len <= 16``; any head count; latent ``v_head_dim`` in
+        16..512 and rope ``head_dim - v_head_dim`` in 16..64, powers of two;
+        pages of 16/32/64/128 tokens; no Helix; device cuda at a validated
+        arch (sm90) with q bf16 and KV bf16 or FP8 E4M3; or cpu (q fp32/bf16,
+        KV fp32/bf16/FP8) only when the kernels were decorated under
+        ``TRITON_INTERPRET=1`` and that interpreter runs them
+        (:func:`interpreter_runs_loops`; bf16 queries also need
+        :func:`interpreter_bf16_dot`).
+        """
+        if shape.kind != "mla":
+            return no(f"kind must be 'mla' (latent cache), got {shape.kind!r}")
+        if shape.phase != "generation":
+            return no(f"phase must be 'generation' (decode/verify), got {shape.phase!r}")
+        if shape.num_kv_heads != 1:
+            return no(f"num_kv_heads must be 1 (one latent head), got {shape.num_kv_heads}")
+        if shape.helix_cp != 1:
+            return no(f"Helix (helix_cp={shape.helix_cp}) is not supported: no cross-rank LSE merge")
+        if shape.max_q_len > MAX_Q_LEN:
+            return no(f"max_q_len must be <= {MAX_Q_LEN}, got {shape.max_q_len}")
+        latent, rope = shape.v_head_dim, shape.head_dim - shape.v_head_dim
+        if latent not in LATENT_DIMS:
+            return no(f"v_head_dim (latent) must be one of {LATENT_DIMS}, got {latent}")
+        if rope not in ROPE_DIMS:
+            return no(f"head_dim - v_head_dim (rope) must be one of {ROPE_DIMS}, got {shape.head_dim} - {latent}")
+        if shape.tokens_per_block not in TOKENS_PER_BLOCK:
+            return no(f"tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {shape.tokens_per_block}")
+        if INTERPRET:
+            if shape.q_dtype not in Q_DTYPES_CPU:
+                return no(f"q_dtype must be one of {Q_DTYPES_CPU} on the interpreter, got {shape.q_dtype}")
+            if shape.kv_dtype not in KV_DTYPES_CPU:
+                return no(f"kv_dtype must be one of {KV_DTYPES_CPU} on the interpreter, got {shape.kv_dtype}")
+            if shape.device != "cpu":
+                return no(f"kernels were decorated under TRITON_INTERPRET=1: cpu only, got {shape.device}")
+            if not interpreter_runs_loops():
+                return no("this Triton interpreter cannot run runtime loop bounds "
+                          "(triton-lang/triton#9171, NumPy >= 2.4)")
+            if shape.q_dtype == "bfloat16" and not interpreter_bf16_dot():
+                return no("this Triton interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): "
+                          "q_dtype must be float32 under TRITON_INTERPRET=1")
+            return YES
+        if shape.device != "cuda":
+            return no(f"device must be cuda (cpu only under TRITON_INTERPRET=1 at import), got {shape.device}")
+        if shape.q_dtype not in Q_DTYPES_GPU:
+            return no(f"q_dtype must be one of {Q_DTYPES_GPU} on the GPU, got {shape.q_dtype}")
+        if shape.kv_dtype not in KV_DTYPES_GPU:
+            return no(f"kv_dtype must be one of {KV_DTYPES_GPU} on the GPU, got {shape.kv_dtype}")
+        if shape.sm not in VALIDATED_SM:
+            return no(f"GPU arch sm={shape.sm} not validated (validated: {VALIDATED_SM})")
+        if shape.kv_dtype == "float8_e4m3fn" and shape.sm < FP8_MIN_SM:
+            return no(f"FP8 E4M3 cache needs sm >= {FP8_MIN_SM}, got sm={shape.sm}")
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        # Fast on the GPU; the CPU interpreter is far slower than the reference, so used there only when requested.
+        return 10.0 if shape.device == "cuda" else 1000.0
+
+    # ------------------------------------------------------------------ plan / run
+
+    def plan(self, batch: PhaseBatch) -> TritonMLAPlan:
+        """Upload the phase's page tables and lengths; choose the tile and split counts."""
+        tpb, dev = batch.tokens_per_block, batch.device
+        if tpb not in TOKENS_PER_BLOCK:
+            raise ValueError(f"triton_mla: tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {tpb}")
+        block_n = self.config.block_n or min(tpb, 32)
+        if tpb % block_n:
+            raise ValueError(f"triton_mla: block_n={block_n} must divide tokens_per_block={tpb}")
+        num_seqs = len(batch.q_lens)
+        pages = [-(-kv // tpb) for kv in batch.kv_lens]
+        max_pages = max(pages)
+        rows = []
+        for i, (q_len, kv_len, n, pt) in enumerate(zip(batch.q_lens, batch.kv_lens, pages, batch.page_tables)):
+            if not 1 <= q_len <= kv_len or len(pt) < n:
+                raise ValueError(f"triton_mla: request {i} has q_len={q_len}, kv_len={kv_len}, {len(pt)} pages")
+            rows.append(list(pt[:n]) + [0] * (max_pages - n))
+        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
+        q_start = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+        target = max(1, math.ceil(self.config.waves * self._num_sms(dev)))
+        max_kv = max(batch.kv_lens)
+        if self.config.num_splits is not None:
+            splits = self.config.num_splits
+        else:
+            splits = max(1, min(-(-target // num_seqs), -(-max_kv // self.config.min_split_tokens)))
+        return TritonMLAPlan(
+            page_table=torch.tensor(rows, dtype=torch.int32).to(dev),
+            kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32).to(dev),
+            q_start=q_start.to(dev),
+            q_lens=q_lens.to(dev),
+            num_seqs=num_seqs,
+            num_tokens=batch.num_tokens,
+            max_q_len=max(batch.q_lens),
+            max_kv_len=max_kv,
+            tokens_per_block=tpb,
+            block_n=block_n,
+            num_splits=splits,
+            target_programs=target,
+        )
+
+    def launch_config(self, plan: TritonMLAPlan, num_heads: int) -> tuple[int, int, int, int]:
+        """``(block_m, row_blocks, num_splits, num_warps)`` for ``num_heads`` query heads."""
+        rows = plan.max_q_len * num_heads
+        block_m = self.config.block_m or min(64, max(16, triton.next_power_of_2(rows)))
+        row_blocks = triton.cdiv(rows, block_m)
+        splits = plan.num_splits
+        if self.config.num_splits is None:  # rows already fill the device: fewer partials to merge
+            splits = max(1, min(splits, triton.cdiv(plan.target_programs, plan.num_seqs * row_blocks)))
+        # sm90, 512+64 dims, BLOCK_N 32 (ptxas -v): 16 rows x 4 warps 180 regs, 32 x 8 166 regs, no spills;
+        # 64 x 8 (wgmma) 255 regs with ~100 B of spills; 32 x 4 and 64 x 16 spill more.
+        num_warps = self.config.num_warps or (4 if block_m <= 16 else 8)
+        return block_m, row_blocks, splits, num_warps
+
+    def run(
+        self,
+        plan: TritonMLAPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        scale: float,
+        v_head_dim: int,
+        *,
+        kv_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Attend the phase's queries over the latent cache.
+
+        Args:
+            plan: from :meth:`plan`.
+            q: ``[num_tokens, H, latent + rope]``, bf16 or fp32.
+            k_cache: ``[num_slots, 1, latent + rope]`` latent cache (bf16, fp32 or FP8 E4M3).
+            v_cache: must be ``None`` (V is the latent part of the cache).
+            scale: softmax scale (e.g. ``mscale**2 / sqrt(128 + 64)``), explicit.
+            v_head_dim: latent width.
+            kv_scale: per-tensor dequantisation scale of the cache (``k = k_cache * kv_scale``).
+
+        Returns:
+            ``[num_tokens, H, latent]`` in ``q``'s dtype.
+
+        Raises:
+            ValueError: a separate ``v_cache``, or shapes that do not match the plan.
+        """
+        if v_cache is not None:
+            raise ValueError("triton_mla reads V from the latent cache; v_cache must be None")
+        num_tokens, num_heads, head_dim = q.shape
+        if num_tokens != plan.num_tokens or k_cache.shape[1:] != (1, head_dim):
+            raise ValueError(
+                f"triton_mla: q {tuple(q.shape)} / k_cache {tuple(k_cache.shape)} do not match the plan "
+                f"({plan.num_tokens} tokens, one latent head of width {head_dim})"
+            )
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k_cache.stride(-1) != 1:
+            raise ValueError("triton_mla: k_cache must be contiguous in its last dimension")
+        block_m, row_blocks, splits, num_warps = self.launch_config(plan, num_heads)
+        out = q.new_empty(num_tokens, num_heads, v_head_dim)
+        if splits > 1:
+            o_part = torch.empty(num_tokens, num_heads, splits, v_head_dim, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+        else:
+            o_part = lse_part = out  # unused
+        _mla_stage1[(row_blocks, splits, plan.num_seqs)](
+            q, k_cache, out, o_part, lse_part,
+            plan.page_table, plan.kv_lens, plan.q_start, plan.q_lens,
+            scale * kv_scale * _LOG2E, kv_scale,
+            num_heads, splits,
+            q.stride(0), q.stride(1), k_cache.stride(0), out.stride(0), out.stride(1), plan.page_table.stride(0),
+            LAT=v_head_dim,
+            ROPE=head_dim - v_head_dim,
+            TPB=plan.tokens_per_block,
+            BLOCK_M=block_m,
+            BLOCK_N=plan.block_n,
+            SPLIT=splits > 1,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps,
+            num_stages=self.config.num_stages,
+        )  # fmt: skip
+        if splits > 1:
+            block_h = min(16, triton.next_power_of_2(num_heads))
+            _mla_merge[(num_tokens, triton.cdiv(num_heads, block_h))](
+                o_part, lse_part, out, num_heads, splits, out.stride(0), out.stride(1),
+                LAT=v_head_dim, BLOCK_H=block_h, num_warps=4,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,473 @@
+"""The Triton paged MLA decode/verify backend against the torch reference.
+
+Each kernel case builds requests over a pool whose unowned slots (and the tails
+of last pages) hold NaN, with shuffled page tables longer than needed, runs
+``triton_mla`` and compares every query row with ``torch_ref`` run in fp32 on
+the same values (for an FP8 cache: on the dequantised cache).
+
+Where the tests run:
+
+- CPU: Triton chooses the interpreter when the kernels are *defined*
+  (``TRITON_INTERPRET=1`` before ``specdec`` is imported), so
+  ``test_cpu_suite_under_the_interpreter`` re-runs this file in a subprocess
+  with that variable set. To see the cases one by one:
+  ``TRITON_INTERPRET=1 python -m pytest tests/test_triton_mla.py``.
+  Interpreter cases use small latent dims (32 + 16) except two 512 + 64 cases.
+- GPU (``-m gpu``): the benchmark grid's shapes at real dims, bf16 and FP8.
+
+``supports`` is tested against the kernel itself: every CPU shape of the
+sweep it accepts runs and matches; the refusals give their reason, and the
+kernel-limit refusals are shown to fail when forced.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu'): no triton_mla backend to test")
+
+from specdec.attention import selector  # noqa: E402
+from specdec.attention.backends import triton_mla  # noqa: E402
+from specdec.attention.backends.base import PhaseBatch  # noqa: E402
+from specdec.attention.backends.torch_ref import TorchRefBackend  # noqa: E402
+from specdec.attention.backends.triton_mla import TritonMLABackend, TritonMLAConfig  # noqa: E402
+from specdec.attention.metadata import plan_step  # noqa: E402
+from specdec.attention.selector import select  # noqa: E402
+from specdec.attention.shapes import AttnShape  # noqa: E402
+from specdec.errors import ConfigError, UnsupportedShapeError  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = triton_mla.INTERPRET
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="CPU kernel cases need TRITON_INTERPRET=1 at import (test_cpu_suite_under_the_interpreter)"
+)
+F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+NAME = {F32: "float32", BF16: "bfloat16", FP8: "float8_e4m3fn", torch.float16: "float16"}
+TOL = {F32: 2e-5, BF16: 2e-2}  # by query dtype; fp32 accumulation either way
+FP8_NAN = 0x7F  # an E4M3FN NaN byte
+UNPATCHED: dict[str, object] = {}  # what the interpreter could do before the test fixes
+
+
+# --------------------------------------------------------------------------- interpreter fixes (tests only)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_fixes():
+    """Work around two bugs of Triton 3.6's CPU interpreter (not of the kernels), for this module only.
+
+    - NumPy >= 2.4 refuses ``int()`` of a 1-element array, which the interpreter uses for
+      ``range`` bounds held in tensors (triton-lang/triton#9171, fixed upstream by ``squeeze``);
+    - ``tl.dot`` multiplies bfloat16 operands as their raw uint16 bits (triton-lang/triton#11584);
+      GPU tensor cores form exact bf16 products in fp32, which is what upcasting first computes.
+
+    ``supports`` probes the interpreter, so it refuses CPU shapes without these fixes
+    (``test_supports_probes_the_interpreter``) and accepts them with the fixes.
+    """
+    if not INTERPRET:
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    probes = (triton_mla.interpreter_runs_loops, triton_mla.interpreter_bf16_dot)
+    for probe in probes:
+        probe.cache_clear()
+    UNPATCHED.update(loops=probes[0](), bf16_dot=probes[1](), verdict=TritonMLABackend().supports(mla_cpu()),
+                     bf16_verdict=TritonMLABackend().supports(mla_cpu(q_dtype="bfloat16")))
+    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def patched_dot(self, a, b, d, *args):
+        a = self.cast_impl(a, tl.float32) if a.dtype.scalar == tl.bfloat16 else a
+        b = self.cast_impl(b, tl.float32) if b.dtype.scalar == tl.bfloat16 else b
+        return create_dot(self, a, b, d, *args)
+
+    interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot = patched_tensor, patched_dot
+    for probe in probes:
+        probe.cache_clear()
+    yield
+    interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot = patch_tensor, create_dot
+    for probe in probes:
+        probe.cache_clear()
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def mla_cpu(**kw) -> AttnShape:
+    """A small MLA generation shape on the CPU (latent 16 + rope 16)."""
+    base = dict(phase="generation", kind="mla", num_heads=4, num_kv_heads=1, head_dim=32, v_head_dim=16,
+                tokens_per_block=16, max_q_len=1, kv_dtype="float32", q_dtype="float32", device="cpu")
+    return AttnShape(**{**base, **kw})
+
+
+def mla_gpu(**kw) -> AttnShape:
+    """A DeepSeek/Kimi absorbed-MLA generation shape on an H200."""
+    base = dict(phase="generation", kind="mla", num_heads=96, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                tokens_per_block=64, max_q_len=4, kv_dtype="bfloat16", q_dtype="bfloat16", device="cuda", sm=90)
+    return AttnShape(**{**base, **kw})
+
+
+def make_pool(q_lens, kv_lens, *, tpb, d, kv_dtype, device, seed=0):
+    """Requests over a paged latent cache; returns ``(batch, cache, dequantised fp32 cache, kv_scale)``.
+
+    Page tables are shuffled and two pages longer than needed. Every slot that
+    holds none of a request's first ``kv_len`` tokens is NaN (slot 0 excepted:
+    the reference pads its gather with it), so a kernel that reads past a
+    request's context or through a wrong page cannot pass.
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(kv / tpb) for kv in kv_lens]
+    num_pages = sum(pages) + 2 * len(pages) + 3
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(tuple(perm[at : at + n + 2]))
+        at += n + 2
+    values = torch.randn(num_pages * tpb, 1, d, generator=g)
+    valid = torch.zeros(num_pages * tpb, dtype=torch.bool)
+    for kv, table in zip(kv_lens, tables):
+        valid[[table[p // tpb] * tpb + p % tpb for p in range(kv)]] = True
+    valid[0] = True
+    kv_scale = 1.0
+    if kv_dtype == FP8:
+        kv_scale = float(values.abs().max()) / 448.0
+        cache = (values / kv_scale).to(FP8)
+        cache.view(torch.uint8)[~valid] = FP8_NAN
+        deq = cache.float() * kv_scale
+    else:
+        cache = values.to(kv_dtype)
+        cache[~valid] = float("nan")
+        deq = cache.float()
+    batch = PhaseBatch(tuple(q_lens), tuple(kv_lens), tuple(tables), tpb, torch.device(device))
+    return batch, cache.to(device), deq.to(device), kv_scale
+
+
+def run_case(h, q_lens, kv_lens, *, tpb, lat=32, rope=16, q_dtype=F32, kv_dtype=F32, config=None,
+             device=None, seed=0):
+    """``triton_mla`` vs ``torch_ref`` (fp32, dequantised cache) on one generation phase."""
+    device = device or ("cpu" if INTERPRET else "cuda")
+    d = lat + rope
+    batch, cache, deq, kv_scale = make_pool(q_lens, kv_lens, tpb=tpb, d=d, kv_dtype=kv_dtype, device=device,
+                                            seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(q_lens), h, d, generator=g).to(device=device, dtype=q_dtype)
+    scale = d**-0.5 * 1.3  # explicit, not the default
+    backend = TritonMLABackend(config or TritonMLAConfig())
+    out = backend.run(backend.plan(batch), q, cache, None, scale, lat, kv_scale=kv_scale)
+    ref_backend = TorchRefBackend()
+    ref = ref_backend.run(ref_backend.plan(batch), q.float(), deq, None, scale, lat)
+    assert out.shape == (sum(q_lens), h, lat) and out.dtype == q_dtype
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(out.float(), ref, atol=TOL[q_dtype], rtol=TOL[q_dtype])
+    return backend
+
+
+def shape_of_case(h, q_lens, *, tpb, lat=32, rope=16, q_dtype=F32, kv_dtype=F32, device="cpu") -> AttnShape:
+    sm = None
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        sm = major * 10 + minor
+    return AttnShape("generation", "mla", h, 1, lat + rope, lat, tpb, max(q_lens), NAME[kv_dtype], NAME[q_dtype],
+                     device, sm)
+
+
+# --------------------------------------------------------------------------- supports / cost / plan (no kernel)
+
+
+@pytest.mark.parametrize(("overrides", "reason"), [
+    (dict(kind="gqa", num_kv_heads=8, head_dim=128, v_head_dim=128), "kind must be 'mla'"),
+    (dict(phase="context", max_q_len=512), "phase must be 'generation'"),
+    (dict(helix_cp=4), "Helix"),
+    (dict(max_q_len=17), "max_q_len must be <= 16"),
+    (dict(head_dim=192, v_head_dim=128, tokens_per_block=32), None),  # accepted: latent 128 + rope 64
+    (dict(head_dim=512, v_head_dim=512), "rope"),
+    (dict(head_dim=512 + 128, v_head_dim=512), "rope"),
+    (dict(head_dim=1024 + 64, v_head_dim=1024), "v_head_dim (latent) must be one of"),
+    (dict(head_dim=40 + 16, v_head_dim=40), "v_head_dim (latent) must be one of"),
+    (dict(tokens_per_block=8), "tokens_per_block must be one of"),
+    (dict(tokens_per_block=256), "tokens_per_block must be one of"),
+    (dict(q_dtype="float32"), "q_dtype must be one of ('bfloat16',) on the GPU"),
+    (dict(q_dtype="float16"), "q_dtype must be one of"),
+    (dict(kv_dtype="float32"), "kv_dtype must be one of ('bfloat16', 'float8_e4m3fn') on the GPU"),
+    (dict(sm=100), "sm=100 not validated"),
+    (dict(sm=80), "sm=80 not validated"),
+    (dict(sm=None), "not validated"),
+])
+def test_supports_states_the_gpu_limits(overrides, reason):
+    verdict = TritonMLABackend().supports(mla_gpu(**overrides))
+    if INTERPRET:  # every cuda shape is refused when the kernels are interpreted
+        assert not verdict.ok and verdict.reason
+        return
+    if reason is None:
+        assert verdict.ok, verdict.reason
+    else:
+        assert not verdict.ok and reason in verdict.reason, verdict.reason
+
+
+@pytest.mark.skipif(INTERPRET, reason="cuda shapes are refused under the interpreter (tested above)")
+@pytest.mark.parametrize("h", [1, 16, 33, 48, 64, 65, 96, 127, 128, 160])
+@pytest.mark.parametrize("max_q_len", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize(("tpb", "kv_dtype"), [(16, "bfloat16"), (32, "float8_e4m3fn"), (64, "bfloat16"),
+                                               (128, "float8_e4m3fn")])
+def test_auto_selects_it_for_every_head_count_on_the_h200(h, max_q_len, tpb, kv_dtype):
+    """Reference 000/001: H = 96 verify went to a kernel that rejects 64 < H < 128. This one has no head limit."""
+    shape = mla_gpu(num_heads=h, max_q_len=max_q_len, tokens_per_block=tpb, kv_dtype=kv_dtype, mixed=h % 2 == 0)
+    assert TritonMLABackend().supports(shape).ok
+    assert select(shape).name == "triton_mla"
+    assert TritonMLABackend().cost(shape) < selector.get_backend("torch_ref").cost(shape)
+
+
+def test_requested_is_refused_with_the_reason_never_replaced():
+    shape = mla_gpu(helix_cp=2)
+    with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*Helix"):
+        select(shape, requested="triton_mla")
+    assert select(shape).name == "torch_ref"
+    ctx = mla_gpu(phase="context", max_q_len=300)
+    with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*phase must be 'generation'"):
+        select(ctx, requested="triton_mla")
+
+
+def test_cpu_only_under_the_interpreter():
+    verdict = TritonMLABackend().supports(mla_cpu())
+    assert verdict.ok == INTERPRET, verdict.reason
+    if not INTERPRET:
+        assert "TRITON_INTERPRET=1" in verdict.reason
+        with pytest.raises(UnsupportedShapeError, match="triton_mla.*device must be cuda"):
+            select(mla_cpu(), requested="triton_mla")
+    # Auto selection keeps the reference on the CPU: the interpreter is far slower.
+    assert select(mla_cpu()).name == "torch_ref"
+
+
+@needs_interpreter
+def test_supports_probes_the_interpreter():
+    """Without the fixes above, this interpreter cannot run the kernels, and ``supports`` said so."""
+    if not UNPATCHED["loops"]:
+        assert not UNPATCHED["verdict"].ok and "triton-lang/triton#9171" in UNPATCHED["verdict"].reason
+    if UNPATCHED["loops"] and not UNPATCHED["bf16_dot"]:
+        assert UNPATCHED["verdict"].ok
+        assert not UNPATCHED["bf16_verdict"].ok and "#11584" in UNPATCHED["bf16_verdict"].reason
+    assert triton_mla.interpreter_runs_loops() and triton_mla.interpreter_bf16_dot()  # with the fixes
+
+
+def test_plan_builds_padded_int32_tables_once():
+    tables = ((7, 3, 9, 1), (4,), (0, 2, 5))
+    batch = PhaseBatch((1, 4, 2), (33, 16, 40), tables, 16, torch.device("cpu"))
+    plan = TritonMLABackend(TritonMLAConfig(num_splits=3, block_n=16)).plan(batch)
+    assert plan.page_table.dtype == torch.int32 and plan.page_table.tolist() == [[7, 3, 9], [4, 0, 0], [0, 2, 5]]
+    assert plan.kv_lens.tolist() == [33, 16, 40] and plan.kv_lens.dtype == torch.int32
+    assert plan.q_start.tolist() == [0, 1, 5] and plan.q_lens.tolist() == [1, 4, 2]
+    assert (plan.num_seqs, plan.num_tokens, plan.max_q_len, plan.max_kv_len) == (3, 7, 4, 40)
+    assert plan.num_splits == 3 and plan.block_n == 16
+    with pytest.raises(ValueError, match="q_len=5, kv_len=4"):
+        TritonMLABackend().plan(PhaseBatch((5,), (4,), ((0,),), 16, torch.device("cpu")))
+    with pytest.raises(ValueError, match="block_n=64 must divide tokens_per_block=32"):
+        TritonMLABackend(TritonMLAConfig(block_n=64)).plan(PhaseBatch((1,), (4,), ((0,),), 32, torch.device("cpu")))
+
+
+def test_automatic_splits_follow_the_batch():
+    cfg = TritonMLAConfig(waves=64, min_split_tokens=256)  # 64 programs on the interpreter's "1 SM"
+    backend = TritonMLABackend(cfg)
+    long_one = backend.plan(PhaseBatch((1,), (32768,), (tuple(range(512)),), 64, torch.device("cpu")))
+    assert long_one.num_splits == 64  # one request: split until the device is full
+    assert backend.launch_config(long_one, 16) == (16, 1, 64, 4)
+    assert backend.launch_config(long_one, 128)[1:3] == (2, 32)  # 2 row blocks: half the splits
+    short = backend.plan(PhaseBatch((1,), (300,), ((0, 1, 2, 3, 4),), 64, torch.device("cpu")))
+    assert short.num_splits == 2  # at least 256 keys per split
+    many = backend.plan(PhaseBatch((1,) * 64, (8192,) * 64, ((0,) * 128,) * 64, 64, torch.device("cpu")))
+    assert many.num_splits == 1
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_splits", 0), ("min_split_tokens", 0), ("waves", 0.0),
+                                              ("block_m", 128), ("block_n", 8), ("num_warps", 3), ("num_stages", 0)])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"TritonMLAConfig.{field}"):
+        TritonMLAConfig(**{field: value})
+
+
+def test_a_separate_v_cache_is_an_error():
+    batch = PhaseBatch((1,), (4,), ((0,),), 16, torch.device("cpu"))
+    backend = TritonMLABackend()
+    with pytest.raises(ValueError, match="v_cache must be None"):
+        backend.run(backend.plan(batch), torch.zeros(1, 4, 48), torch.zeros(16, 1, 48), torch.zeros(16, 1, 32),
+                    0.1, 32)
+
+
+# --------------------------------------------------------------------------- kernel cases (interpreter)
+
+KERNEL_CASES = {
+    # id: (h, q_lens, kv_lens, kwargs)
+    "h16-decode-p16": (16, (1, 1, 1), (1, 37, 70), dict(tpb=16)),
+    "h16-verify-p16-split3": (16, (1, 2, 4), (37, 70, 5), dict(tpb=16, config=TritonMLAConfig(num_splits=3))),
+    "h96-verify-p64-split2": (96, (4, 2, 1), (130, 64, 9), dict(tpb=64, config=TritonMLAConfig(num_splits=2))),
+    "h96-decode-p16-bf16": (96, (1, 1), (50, 17), dict(tpb=16, q_dtype=BF16, kv_dtype=BF16)),
+    "h16-verify-p64-bf16-fp8-split2": (16, (2, 4), (100, 40), dict(tpb=64, q_dtype=BF16, kv_dtype=FP8,
+                                                                 config=TritonMLAConfig(num_splits=2))),
+    "h16-verify-p16-fp8-split4": (16, (4,), (45,), dict(tpb=16, kv_dtype=FP8, config=TritonMLAConfig(num_splits=4))),
+    "h96-verify-p64-bf16-fp8": (96, (2, 1, 2), (70, 3, 129), dict(tpb=64, q_dtype=BF16, kv_dtype=FP8,
+                                                                 config=TritonMLAConfig(num_splits=2))),
+    "h16-verify-p32-bf16kv-split2": (16, (2, 1), (20, 33), dict(tpb=32, kv_dtype=BF16,
+                                                               config=TritonMLAConfig(num_splits=2))),
+    "h96-verify-p32-blockm16": (96, (2,), (40,), dict(tpb=32, config=TritonMLAConfig(num_splits=2, block_m=16,
+                                                                                        block_n=16))),
+    "h16-auto-splits": (16, (1, 3), (70, 50), dict(tpb=16, config=TritonMLAConfig(waves=4, min_split_tokens=16))),
+    "real-576-bf16-split2": (16, (2, 1), (20, 5), dict(tpb=16, lat=512, rope=64, q_dtype=BF16, kv_dtype=BF16,
+                                                       config=TritonMLAConfig(num_splits=2))),
+    "real-576-fp8": (16, (1, 4), (9, 33), dict(tpb=64, lat=512, rope=64, kv_dtype=FP8)),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_matches_the_reference(case):
+    h, q_lens, kv_lens, kw = KERNEL_CASES[case]
+    shape_kw = {k: v for k, v in kw.items() if k in ("tpb", "lat", "rope", "q_dtype", "kv_dtype")}
+    verdict = TritonMLABackend().supports(shape_of_case(h, q_lens, **shape_kw))
+    assert verdict.ok, verdict.reason  # every tested shape is one supports claims
+    run_case(h, q_lens, kv_lens, **kw)
+
+
+# One field of a small base shape changed at a time; ``ok`` is what supports must say.
+SWEEP = [
+    *[(dict(tokens_per_block=t), t in (16, 32, 64, 128)) for t in (8, 16, 32, 64, 128, 256)],
+    *[(dict(max_q_len=q), q <= 16) for q in (1, 3, 8, 16, 17)],
+    *[(dict(num_heads=h), True) for h in (1, 3, 33)],
+    *[(dict(head_dim=lat + rope, v_head_dim=lat), ok) for lat, rope, ok in [
+        (16, 16, True), (64, 32, True), (128, 64, True), (256, 16, True), (40, 16, False), (32, 8, False),
+        (32, 128, False), (1024, 64, False)]],
+    *[(dict(q_dtype=q, kv_dtype=kv), q in ("float32", "bfloat16") and kv != "float16")
+      for q in ("float32", "bfloat16", "float16") for kv in ("float32", "bfloat16", "float8_e4m3fn", "float16")],
+    (dict(mixed=True), True),
+    (dict(helix_cp=2), False),
+    (dict(kind="gqa", num_kv_heads=4, head_dim=16), False),
+    (dict(phase="context", max_q_len=4), False),
+    (dict(device="cuda", sm=90), False),  # kernels built for the interpreter run on the CPU only
+]
+TORCH_DTYPE = {v: k for k, v in NAME.items()}
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("overrides", "ok"), SWEEP, ids=[",".join(f"{k}={v}" for k, v in o.items()) for o, _ in SWEEP])
+def test_every_claimed_cpu_shape_runs_and_matches(overrides, ok):
+    shape = mla_cpu(**overrides)
+    verdict = TritonMLABackend().supports(shape)
+    assert verdict.ok == ok, verdict.reason
+    if not ok:
+        assert verdict.reason
+        return
+    q_lens = (shape.max_q_len, 1)
+    kv_lens = (shape.max_q_len + 20, shape.max_q_len + 2)
+    run_case(shape.num_heads, q_lens, kv_lens, tpb=shape.tokens_per_block, lat=shape.v_head_dim,
+             rope=shape.head_dim - shape.v_head_dim, q_dtype=TORCH_DTYPE[shape.q_dtype],
+             kv_dtype=TORCH_DTYPE[shape.kv_dtype], config=TritonMLAConfig(num_splits=2))
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("lat", "rope"), [(40, 16), (32, 24)])
+def test_refused_head_dims_fail_in_the_kernel(lat, rope):
+    """Non-power-of-two dims are kernel limits (tl.arange). Dims below 16 are refused for tl.dot's
+    minimum on GPUs, which the interpreter does not enforce; above 512 + 64, for registers and shared memory."""
+    batch, cache, _, _ = make_pool((1,), (20,), tpb=16, d=lat + rope, kv_dtype=F32, device="cpu")
+    backend = TritonMLABackend()
+    with pytest.raises(Exception, match="power of 2|power of two"):
+        backend.run(backend.plan(batch), torch.randn(1, 4, lat + rope), cache, None, 0.1, lat)
+
+
+@needs_interpreter
+def test_plan_step_routes_a_verify_step_through_the_kernel():
+    """Through ``plan_step`` + ``attend`` (which writes the step's latent rows first), requested by name."""
+    tpb, h, lat, rope = 16, 16, 32, 16
+    d = lat + rope
+    q_lens, kv_lens = (3, 1), (21, 40)
+    batch, cache, _, _ = make_pool(q_lens, kv_lens, tpb=tpb, d=d, kv_dtype=F32, device="cpu", seed=3)
+    slots = [t[p // tpb] * tpb + p % tpb for q, kv, t in zip(q_lens, kv_lens, batch.page_tables)
+             for p in range(kv - q, kv)]
+    g = torch.Generator().manual_seed(4)
+    q, new = torch.randn(4, h, d, generator=g), torch.randn(4, 1, d, generator=g)
+    gen = [(ql, kv, t) for ql, kv, t in zip(q_lens, kv_lens, batch.page_tables)]
+
+    def shape_of(phase, max_q_len, mixed):
+        return AttnShape(phase, "mla", h, 1, d, lat, tpb, max_q_len, mixed=mixed)
+
+    outs = {}
+    for name in ("triton_mla", "torch_ref"):
+        attn = plan_step([], gen, torch.tensor(slots), shape_of, tpb, requested=name)
+        assert attn.backends == {"generation": name}
+        outs[name] = attn.attend(q, new, None, cache.clone(), None, 0.2, lat)
+    torch.testing.assert_close(outs["triton_mla"], outs["torch_ref"], atol=TOL[F32], rtol=TOL[F32])
+
+
+# --------------------------------------------------------------------------- CPU: the interpreter suite
+
+
+@pytest.mark.skipif(INTERPRET, reason="already running under the interpreter")
+def test_cpu_suite_under_the_interpreter():  # ~20 s
+    """Re-run this file with ``TRITON_INTERPRET=1``, so the kernels are built for Triton's CPU interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-m", "not gpu", "-p", "no:cacheprovider",
+           "-x"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+def test_bench_smoke_runs_on_cpu(tmp_path):
+    """``bench/mla_decode.py --smoke``: the benchmark's own logic, one tiny shape, under the interpreter."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "mla_decode.py")
+    out = tmp_path / "smoke.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, bench, "--smoke", "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = out.read_text()
+    assert "| H | q_len |" in table and table.count("| 16 | 2 |") == 4
+    assert (tmp_path / "smoke.csv").read_text().startswith("H,q_len,batch,context,page,kv,splits")
+
+
+# --------------------------------------------------------------------------- GPU
+
+GPU_KV_LENS = (1000, 333, 2055)  # ragged, not page multiples; a few splits each
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU (and kernels compiled for it, not interpreted)")
+class TestGPU:
+    """The benchmark grid's shapes at real dims (512 + 64), bf16 queries, bf16 and FP8 caches.
+
+    This class is the gate for ``triton_mla.VALIDATED_SM``: it runs the kernel on
+    whatever GPU is present, whether or not ``supports`` claims its arch yet.
+    """
+
+    @pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])
+    @pytest.mark.parametrize("tpb", [32, 64])
+    @pytest.mark.parametrize("q_len", [1, 2, 4, 8])
+    @pytest.mark.parametrize("h", [16, 48, 64, 96, 128])
+    def test_grid_vs_reference(self, h, q_len, tpb, kv_dtype):
+        q_lens = (q_len, max(1, q_len - 1), q_len)
+        shape = shape_of_case(h, q_lens, tpb=tpb, lat=512, rope=64, q_dtype=BF16, kv_dtype=kv_dtype, device="cuda")
+        verdict = TritonMLABackend().supports(shape)
+        if shape.sm in triton_mla.VALIDATED_SM:
+            assert verdict.ok, verdict.reason
+        run_case(h, q_lens, GPU_KV_LENS, tpb=tpb, lat=512, rope=64, q_dtype=BF16, kv_dtype=kv_dtype, device="cuda",
+                 seed=h + q_len)
+
+    @pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])
+    @pytest.mark.parametrize(("splits", "block_m"), [(1, None), (7, None), (3, 16), (3, 32), (3, 64)])
+    def test_forced_splits_and_row_blocks(self, kv_dtype, splits, block_m):
+        run_case(96, (4, 1, 3), (4096, 17, 777), tpb=64, lat=512, rope=64, q_dtype=BF16, kv_dtype=kv_dtype,
+                 config=TritonMLAConfig(num_splits=splits, block_m=block_m), device="cuda")
+
+    def test_long_single_request_and_large_batch(self):
+        run_case(128, (1,), (32768,), tpb=64, lat=512, rope=64, q_dtype=BF16, kv_dtype=FP8, device="cuda")
+        g = torch.Generator().manual_seed(0)
+        kv = torch.randint(8, 3000, (64,), generator=g).tolist()
+        run_case(16, (4,) * 64, tuple(kv), tpb=32, lat=512, rope=64, q_dtype=BF16, kv_dtype=BF16, device="cuda")
