@@ -60,6 +60,9 @@ class EngineConfig:
         attention_backend: a backend name to force, or ``None`` for automatic selection.
         apply_chat_template: wrap prompts in the target's chat template if it has one.
         kv_cache_bytes: memory for the KV pool when ``num_pages`` is not given.
+        share_draft_kv: ``None`` lets the scheduler decide from the drafter's hooks;
+            ``True`` requires the drafter's layers in the target pool (error if the hooks
+            forbid it); ``False`` always gives the drafter a pool of its own.
     """
 
     max_draft_tokens: int = 8
@@ -69,6 +72,7 @@ class EngineConfig:
     attention_backend: str | None = None
     apply_chat_template: bool = True
     kv_cache_bytes: int = 1 << 30
+    share_draft_kv: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:

@@ -17,7 +17,7 @@ from specdec.attention.metadata import AttentionMetadata, plan_step
 from specdec.attention.selector import get_backend
 from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.base import Draft, Drafter, NullDrafter, check_hooks
-from specdec.errors import InvalidRequestError, PromptTooLongError, VocabMismatchError
+from specdec.errors import ConfigError, InvalidRequestError, PromptTooLongError, VocabMismatchError
 from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget
 from specdec.kvcache.draft_kv import DraftKV
 from specdec.scheduler import ScheduledBatch, Scheduler, decide_kv_sharing
@@ -53,7 +53,11 @@ class SpecEngine:
         tpb = cfg.tokens_per_block
         draft_specs = tuple(self.drafter.kv_layer_specs())
         self.kv_decision = decide_kv_sharing(draft_specs, self.drafter.reads_managed_ctx_pages,
-                                             self.drafter.reads_helix_sharded_ctx_pages, tpb)
+                                             self.drafter.reads_helix_sharded_ctx_pages, tpb,
+                                             target_accepts_appended_layers=cfg.share_draft_kv is not False)
+        if cfg.share_draft_kv and draft_specs and not self.kv_decision.shared:
+            raise ConfigError(f"share_draft_kv=True but the drafter's layers cannot join the target pool: "
+                              f"{self.kv_decision.reason}")
         specs = list(target.layer_specs())
         per_token = sum(s.bytes_per_token for s in specs) + (
             sum(s.bytes_per_token for s in draft_specs) if self.kv_decision.shared else 0)

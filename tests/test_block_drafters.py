@@ -187,3 +187,20 @@ def test_block_loss_uses_only_context_before_anchor(tiny):
     data.hidden[0][a - 1] += 10 * torch.randn(data.hidden[0][a - 1].shape, generator=g)
     l3 = block_loss(net, tiny.embed, tiny.lm_head, data, [0], random.Random(5), tc)
     assert l1.item() != l3.item()
+
+
+def test_forced_sharing_with_a_page_size_the_drafter_cannot_read(tiny):
+    drafter = DFlashDrafter(init_weights(BlockDrafterNet(cfg(0))))
+    with pytest.raises(ConfigError, match="share_draft_kv.*128"):
+        SpecEngine(tiny, drafter, tokens_per_block=128, share_draft_kv=True)
+    assert SpecEngine(tiny, drafter, tokens_per_block=16, share_draft_kv=True).kv_layout["shared"]
+    separate = SpecEngine(tiny, drafter, tokens_per_block=16, share_draft_kv=False).kv_layout
+    assert not separate["shared"] and len(separate["pools"]) == 2
+
+
+def test_suffix_and_null_drafters_share_nothing(tiny):
+    from specdec.drafters import SuffixAutomatonDrafter
+
+    for d in (NullDrafter(), SuffixAutomatonDrafter()):
+        layout = SpecEngine(tiny, d, share_draft_kv=True).kv_layout
+        assert not layout["shared"] and "no KV layers" in layout["reason"] and len(layout["pools"]) == 1

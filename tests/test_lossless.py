@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import SamplingParams, SpecEngine
-from specdec.drafters import NullDrafter, SuffixAutomatonDrafter
+from specdec.drafters import DFlashDrafter, DSparkDrafter, NullDrafter, SuffixAutomatonDrafter
 from specdec.prompts import humaneval_prompts
 
 pytestmark = pytest.mark.slow
@@ -75,3 +75,42 @@ def test_matches_transformers_greedy(smollm2, baseline):
             want = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=smollm2.eos_token_ids[0],
                                 pad_token_id=smollm2.eos_token_ids[0])[0, ids.shape[1]:].tolist()
         assert list(out.token_ids) == want
+
+
+@pytest.mark.parametrize("drafter_cls", [DFlashDrafter, DSparkDrafter])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, batch_size):
+    """The shipped SmolLM2 DFlash / DSpark checkpoints, sharing the target's KV pool."""
+    prompts = _prompts()[:12]
+    drafter = drafter_cls()  # the shipped checkpoint for smollm2-135m
+    engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16)
+    assert engine.kv_layout["shared"]
+    outs = []
+    for i in range(0, len(prompts), batch_size):
+        outs += engine.generate(prompts[i:i + batch_size], SamplingParams(max_new_tokens=NEW_TOKENS))
+    for i, (base, spec) in enumerate(zip(baseline, outs)):
+        assert spec.token_ids == base.token_ids, f"prompt {i} diverged ({drafter_cls.__name__}, batch {batch_size})"
+    assert sum(o.stats.accepted for o in outs) > 0
+
+
+def test_stop_strings_end_generation_identically(smollm2):
+    prompts = ["List three fruits, one per line.", "Write a Python function that adds two numbers."]
+    params = SamplingParams(max_new_tokens=40, stop=("\n\n", "banana"))
+    base = SpecEngine(smollm2, NullDrafter()).generate(prompts, params)
+    spec = SpecEngine(smollm2, SuffixAutomatonDrafter()).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    assert [o.text for o in spec] == [o.text for o in base]
+    stopped = [o for o in base if o.finish_reason == "stop"]
+    assert stopped, "no prompt hit a stop string: the test would prove nothing"
+    for o in stopped:
+        assert "\n\n" not in o.text and "banana" not in o.text
+        full = smollm2.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        assert any(s in full for s in params.stop)  # the stop string was generated, then cut from .text
+
+
+def test_raw_text_prompt_skips_the_chat_template(smollm2):
+    engine = SpecEngine(smollm2, SuffixAutomatonDrafter())
+    raw = engine.generate(["def fib(n):"], SamplingParams(max_new_tokens=4), chat=False)[0]
+    chat = engine.generate(["def fib(n):"], SamplingParams(max_new_tokens=4))[0]
+    assert raw.prompt_token_ids == tuple(smollm2.tokenizer("def fib(n):")["input_ids"])
+    assert len(chat.prompt_token_ids) > len(raw.prompt_token_ids)

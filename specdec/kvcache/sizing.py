@@ -28,3 +28,46 @@ def num_pages_for_budget(budget_bytes: int, bytes_per_token: int, tokens_per_blo
             f"{tokens_per_block} tokens at {bytes_per_token} B/token"
         )
     return int(pages)
+
+
+def allocator_cap_bytes(total: int, free: int, reserved_by_torch: int, outside: int = GiB) -> int:
+    """The PyTorch caching-allocator cap that leaves room for the driver and transfers.
+
+    Keeps ``min(outside, free)`` bytes outside the cap (DESIGN.md §8), and never
+    drops below what PyTorch already holds (``reserved_by_torch``): lowering the
+    cap under live allocations would only make the next allocation fail.
+
+    Args:
+        total: device memory.
+        free: free device memory now (not counting PyTorch's reserved cache).
+        reserved_by_torch: bytes PyTorch's allocator holds now.
+        outside: headroom to keep outside the cap (1 GiB by default).
+
+    Returns:
+        The cap in bytes, in ``[reserved_by_torch, total]``.
+    """
+    if min(total, free, reserved_by_torch, outside) < 0 or free > total:
+        raise ConfigError(f"memory figures must be >= 0 with free <= total, got total={total}, free={free}, "
+                          f"reserved_by_torch={reserved_by_torch}, outside={outside}")
+    usable = reserved_by_torch + free - min(outside, free)
+    return max(reserved_by_torch, min(total, usable))
+
+
+def kv_budget_bytes(cap: int, reserved_by_torch: int, activation_bytes: int) -> int:
+    """Bytes left for the KV pool under ``cap`` after what PyTorch holds and the activations need."""
+    return max(0, cap - reserved_by_torch - activation_bytes)
+
+
+def pool_pages_on_device(bytes_per_token: int, tokens_per_block: int, activation_bytes: int,
+                         device: str = "cuda", outside: int = GiB) -> tuple[int, int]:
+    """Pages for a pool on a CUDA device, and the allocator cap to set (``torch.cuda.set_per_process_memory_fraction``).
+
+    Raises:
+        ConfigError: the device has no room for one page.
+    """
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cap = allocator_cap_bytes(total, free, reserved, outside)
+    return num_pages_for_budget(kv_budget_bytes(cap, reserved, activation_bytes), bytes_per_token, tokens_per_block), cap
