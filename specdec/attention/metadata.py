@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
+from specdec.attention.fp8 import E4M3, prepare_kv, prepare_q
 from specdec.attention.selector import select
 from specdec.attention.shapes import AttnShape
 
@@ -44,28 +45,47 @@ class AttentionMetadata:
         """Phase name → backend name, for stats and ``engine.attention_backends``."""
         return {p.shape.phase: p.backend.name for p in self.phases}
 
-    def attend(self, q, k, v, k_cache, v_cache, scale: float, v_head_dim: int) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, scale: float, v_head_dim: int, *, kv_scale: float = 1.0,
+               q_scale: float | None = None, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend each phase.
 
         Args:
-            q: ``[num_tokens, num_heads, head_dim]``.
-            k: ``[num_tokens, num_kv_heads, head_dim]``.
+            q: ``[num_tokens, num_heads, head_dim]`` (E4M3 allowed with ``q_scale``).
+            k: ``[num_tokens, num_kv_heads, head_dim]``; E4M3 (already divided by
+                ``kv_scale``) is written as is into an E4M3 cache.
             v: ``[num_tokens, num_kv_heads, v_head_dim]`` or ``None`` (K-only layer).
             k_cache, v_cache: the layer's pool tensors (``v_cache`` None when K-only).
+            kv_scale: per-tensor scale of an FP8 cache (1.0 otherwise).
+            q_scale: scale of an E4M3 ``q``, or of the internal quantization of a float ``q``.
+            compute_dtype: dtype attention computes in (default: ``q``'s, bf16 for an E4M3 ``q``).
 
         Returns:
             ``[num_tokens, num_heads, v_head_dim]``.
+
+        Raises:
+            FP8InputError: K and V of different dtypes, or E4M3 inputs for a non-FP8 cache.
         """
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        k, v = prepare_kv(k, v, k_cache.dtype, kv_scale)
+        _write(k_cache, self.slot_mapping, k)
         if v_cache is not None:
-            v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+            _write(v_cache, self.slot_mapping, v)
+        if q.dtype == E4M3 or q_scale is not None:
+            q = prepare_q(q, q_scale, compute_dtype or (torch.bfloat16 if q.dtype == E4M3 else q.dtype))
+        extra = {"kv_scale": kv_scale} if kv_scale != 1.0 else {}
         if len(self.phases) == 1:
             p = self.phases[0]
-            return p.backend.run(p.plan, q, k_cache, v_cache, scale, v_head_dim)
+            return p.backend.run(p.plan, q, k_cache, v_cache, scale, v_head_dim, **extra)
         out = q.new_empty(q.shape[0], q.shape[1], v_head_dim)
         for p in self.phases:
-            out[p.start : p.stop] = p.backend.run(p.plan, q[p.start : p.stop], k_cache, v_cache, scale, v_head_dim)
+            out[p.start : p.stop] = p.backend.run(p.plan, q[p.start : p.stop], k_cache, v_cache, scale, v_head_dim, **extra)
         return out
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """``cache[slots] = x``; FP8 is copied as bytes (no CPU kernel copies float8 by index)."""
+    if cache.dtype == E4M3:
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+    cache.index_copy_(0, slots, x)
 
 
 def plan_step(

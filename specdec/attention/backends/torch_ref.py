@@ -70,8 +70,8 @@ class TorchRefBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_heads = q.shape[1]
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[plan.q_index]  # [B, max_q, H, D]
-        k = k_cache[plan.gather]  # [B, max_kv, Hkv, D]
-        v = (v_cache[plan.gather] if v_cache is not None else k[..., :v_head_dim])  # [B, max_kv, Hkv, Dv]
+        k = _gather(k_cache, plan.gather)  # [B, max_kv, Hkv, D]
+        v = (_gather(v_cache, plan.gather) if v_cache is not None else k[..., :v_head_dim])  # [B, max_kv, Hkv, Dv]
         k, v = k.to(q.dtype), v.to(q.dtype)
         if kv_scale != 1.0:  # dequantise an FP8 cache (per-tensor scale)
             k, v = k * kv_scale, v * kv_scale
@@ -85,3 +85,10 @@ class TorchRefBackend(AttentionBackend):
         )  # [B, H, max_q, Dv]
         out = out.transpose(1, 2).reshape(-1, num_heads, v_head_dim)  # [B * max_q, H, Dv]
         return out[plan.out_index]
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]``; 1-byte float8 caches are gathered as bytes (no CPU float8 index kernel)."""
+    if cache.element_size() == 1 and cache.is_floating_point():
+        return cache.view(torch.uint8)[index].view(cache.dtype)
+    return cache[index]
