@@ -81,7 +81,8 @@ class SpecEngine:
         if self.kv_decision.shared:
             return DraftKV(self.pool, self.pool.add_layers(draft_specs), self.manager, shared=True)
         tpb = self.kv_decision.draft_tokens_per_block
-        pages = -(-self.pool.capacity_tokens // tpb)
+        # as many tokens as the target pool, plus one partly filled page per running request
+        pages = -(-self.pool.capacity_tokens // tpb) + self.config.max_num_seqs
         pool = KVPool(draft_specs, pages, tpb, device=self.target.device)
         return DraftKV(pool, range(len(draft_specs)), KVCacheManager(pages, tpb), shared=False)
 

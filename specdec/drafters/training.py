@@ -214,9 +214,12 @@ def train_block_drafter(target, data: DistillData, config: BlockDrafterConfig, t
 
     t_start, step = time.perf_counter(), 0
     while step < total[0]:
-        if train.max_seconds and step == 10:
-            per_step = (time.perf_counter() - t_start) / 10
-            total[0] = max(11, min(train.steps, int(train.max_seconds / per_step)))
+        if step == 10:  # the first steps pay for compilation and allocator warm-up
+            t_warm = time.perf_counter()
+        if train.max_seconds and step == 30:
+            per_step = (time.perf_counter() - t_warm) / 20
+            left = train.max_seconds - (time.perf_counter() - t_start)
+            total[0] = max(31, min(train.steps, 30 + int(left / per_step)))
             if bar is not None:
                 bar.total = total[0]
         seqs = [rng.randrange(len(data.tokens)) for _ in range(train.seqs_per_step)]
