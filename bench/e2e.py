@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -14,7 +14,7 @@ never branches on a drafter's class or name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 from specdec.errors import ConfigError

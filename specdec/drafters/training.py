@@ -109,7 +109,6 @@ def build_distill_data(target, prompts, layer_ids, max_new_tokens: int = 256, ba
     """The target's greedy responses to ``prompts`` and its hidden states over prompt + response."""
     from specdec import SamplingParams, SpecEngine
     from specdec.drafters import SuffixAutomatonDrafter
-    from specdec.target.base import Target  # noqa: F401  (protocol, for readers)
 
     engine = SpecEngine(target, SuffixAutomatonDrafter(), max_num_seqs=batch_size)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens), progress=progress)
