@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from specdec.errors import ConfigError, InvalidRequestError
 
@@ -63,6 +66,9 @@ class EngineConfig:
         share_draft_kv: ``None`` lets the scheduler decide from the drafter's hooks;
             ``True`` requires the drafter's layers in the target pool (error if the hooks
             forbid it); ``False`` always gives the drafter a pool of its own.
+        kv_cache_dtype: ``"auto"`` stores the target's KV in its compute dtype;
+            ``"fp8_e4m3"`` stores it as FP8 E4M3 (1 byte per value), dequantized by ``kv_scale``.
+        kv_scale: per-tensor scale of an FP8 cache (it holds ``value / kv_scale``); 1.0 otherwise.
     """
 
     max_draft_tokens: int = 8
@@ -73,6 +79,8 @@ class EngineConfig:
     apply_chat_template: bool = True
     kv_cache_bytes: int = 1 << 30
     share_draft_kv: bool | None = None
+    kv_cache_dtype: str = "auto"
+    kv_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
@@ -83,3 +91,20 @@ class EngineConfig:
             raise ConfigError(f"num_pages must be >= 1 or None, got {self.num_pages!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if isinstance(self.kv_scale, bool) or not isinstance(self.kv_scale, (int, float)) \
+                or not (math.isfinite(self.kv_scale) and self.kv_scale > 0):
+            raise ConfigError(f"kv_scale must be a finite number > 0, got {self.kv_scale!r}")
+        if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
+            raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
+                              f"must be 1.0, got {self.kv_scale!r}")
+
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """Storage dtype of the target's KV cache; ``None`` means the target's compute dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+#: ``EngineConfig.kv_cache_dtype`` names and the storage dtype each means (``None``: the compute dtype).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}

@@ -58,7 +58,7 @@ class SpecEngine:
         if cfg.share_draft_kv and draft_specs and not self.kv_decision.shared:
             raise ConfigError(f"share_draft_kv=True but the drafter's layers cannot join the target pool: "
                               f"{self.kv_decision.reason}")
-        specs = list(target.layer_specs())
+        specs = list(target.layer_specs(cfg.kv_dtype, cfg.kv_scale))
         per_token = sum(s.bytes_per_token for s in specs) + (
             sum(s.bytes_per_token for s in draft_specs) if self.kv_decision.shared else 0)
         num_pages = cfg.num_pages or num_pages_for_budget(cfg.kv_cache_bytes, per_token, tpb)
@@ -249,7 +249,7 @@ class SpecEngine:
         tpb = self.config.tokens_per_block
 
         def shape_of(phase: str, max_q: int, mixed: bool):
-            return self.target.attn_shape(phase, max_q, tpb, mixed)
+            return self.target.attn_shape(phase, max_q, tpb, mixed, kv_dtype=self.config.kv_dtype)
 
         attn = plan_step(ctx, gen, slot_mapping, shape_of, tpb, self.config.attention_backend)
         self._last_backends = attn.backends
@@ -405,7 +405,8 @@ class SpecEngine:
 
         get_backend(name)
         for phase, q in (("context", 1), ("generation", 1), ("generation", 1 + self.config.max_draft_tokens)):
-            select(self.target.attn_shape(phase, q, self.config.tokens_per_block), requested=name)
+            shape = self.target.attn_shape(phase, q, self.config.tokens_per_block, kv_dtype=self.config.kv_dtype)
+            select(shape, requested=name)
 
 
 def _progress(total: int):

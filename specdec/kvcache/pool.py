@@ -9,6 +9,7 @@ slots, ``[num_pages * tokens_per_block, num_kv_heads, head_dim]``, where slot
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ class LayerSpec:
         has_v: False for K-only layers (the MLA latent, kv_factor 1).
         v_head_dim: width of one V head (defaults to ``head_dim``).
         owner: ``"target"`` or ``"draft"``.
+        kv_scale: per-tensor dequantization scale of an FP8 E4M3 layer (it stores
+            ``value / kv_scale``); 1.0 for every other dtype.
     """
 
     kind: str
@@ -37,6 +40,7 @@ class LayerSpec:
     has_v: bool = True
     v_head_dim: int | None = None
     owner: str = "target"
+    kv_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("gqa", "mla"):
@@ -51,6 +55,11 @@ class LayerSpec:
             raise ConfigError(f"LayerSpec.num_kv_heads must be 1 for an 'mla' latent layer, got {self.num_kv_heads}")
         if self.owner not in ("target", "draft"):
             raise ConfigError(f"LayerSpec.owner must be 'target' or 'draft', got {self.owner!r}")
+        if not (math.isfinite(self.kv_scale) and self.kv_scale > 0):
+            raise ConfigError(f"LayerSpec.kv_scale must be a finite number > 0, got {self.kv_scale!r}")
+        if self.kv_scale != 1.0 and self.dtype != torch.float8_e4m3fn:
+            raise ConfigError(f"LayerSpec.kv_scale must be 1.0 unless dtype is torch.float8_e4m3fn, "
+                              f"got kv_scale={self.kv_scale!r} with dtype={self.dtype}")
 
     @property
     def v_dim(self) -> int:

@@ -36,12 +36,21 @@ class Target(Protocol):
     device: torch.device
     dtype: torch.dtype
 
-    def layer_specs(self) -> tuple["LayerSpec", ...]:
-        """KV layers the target keeps in the pool, one per decoder layer."""
+    def layer_specs(self, kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0) -> tuple["LayerSpec", ...]:
+        """KV layers the target keeps in the pool, one per decoder layer.
+
+        Args:
+            kv_dtype: storage dtype of the cache (``None``: the compute dtype;
+                ``torch.float8_e4m3fn`` for an FP8 cache).
+            kv_scale: per-tensor scale of an FP8 cache, carried by every spec;
+                ``forward`` passes ``pool.specs[i].kv_scale`` to attention.
+        """
         ...
 
-    def attn_shape(self, phase: str, max_q_len: int, tokens_per_block: int, mixed: bool = False) -> "AttnShape":
-        """The attention shape of one phase of a step on this target."""
+    def attn_shape(self, phase: str, max_q_len: int, tokens_per_block: int, mixed: bool = False,
+                   kv_dtype: torch.dtype | None = None) -> "AttnShape":
+        """The attention shape of one phase of a step on this target, over a cache of ``kv_dtype``
+        (``None``: the compute dtype)."""
         ...
 
     def forward(

@@ -196,19 +196,23 @@ class LlamaTarget:
             ))
 
     # -- protocol ------------------------------------------------------------
-    def layer_specs(self) -> tuple[LayerSpec, ...]:
+    def layer_specs(self, kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0) -> tuple[LayerSpec, ...]:
+        """One K/V layer per decoder layer, stored in ``kv_dtype`` (default: the compute dtype)."""
         c = self.config
-        spec = LayerSpec("gqa", c.num_key_value_heads, c.head_dim, self.dtype)
+        spec = LayerSpec("gqa", c.num_key_value_heads, c.head_dim, kv_dtype or self.dtype, kv_scale=kv_scale)
         return (spec,) * c.num_hidden_layers
 
-    def attn_shape(self, phase: str, max_q_len: int, tokens_per_block: int, mixed: bool = False) -> AttnShape:
+    def attn_shape(self, phase: str, max_q_len: int, tokens_per_block: int, mixed: bool = False,
+                   kv_dtype: torch.dtype | None = None) -> AttnShape:
+        """Queries in the compute dtype, the cache in ``kv_dtype`` (default: the compute dtype)."""
         c, dt = self.config, str(self.dtype).removeprefix("torch.")
+        kv_dt = str(kv_dtype or self.dtype).removeprefix("torch.")
         sm = None
         if self.device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(self.device)
             sm = major * 10 + minor
         return AttnShape(phase, "gqa", c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim,
-                         tokens_per_block, max_q_len, dt, dt, self.device.type, sm, 1, mixed)
+                         tokens_per_block, max_q_len, kv_dt, dt, self.device.type, sm, 1, mixed)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` → ``[T, hidden_size]``."""
@@ -228,7 +232,7 @@ class LlamaTarget:
             if L.q_norm is not None:
                 q, k = rms_norm(q, L.q_norm, c.rms_norm_eps), rms_norm(k, L.k_norm, c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = attn.attend(q, k, v, pool.k[i], pool.v[i], self.scale, D)  # [T, H, D]
+            o = attn.attend(q, k, v, pool.k[i], pool.v[i], self.scale, D, kv_scale=pool.specs[i].kv_scale)  # [T, H, D]
             x = x + F.linear(o.reshape(T, H * D), L.w_o)
             h = rms_norm(x, L.norm_post, c.rms_norm_eps)
             gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)

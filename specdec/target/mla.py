@@ -423,19 +423,24 @@ class MLATarget:
         )
 
     # -- protocol ------------------------------------------------------------
-    def layer_specs(self) -> tuple[LayerSpec, ...]:
-        """One K-only latent layer per decoder layer: ``[c_kv, k_rope]``, ``kv_lora_rank + rope`` values."""
-        return (LayerSpec("mla", 1, self.config.cache_dim, self.dtype, has_v=False),) * self.num_layers
+    def layer_specs(self, kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0) -> tuple[LayerSpec, ...]:
+        """One K-only latent layer per decoder layer: ``[c_kv, k_rope]``, ``kv_lora_rank + rope`` values,
+        stored in ``kv_dtype`` (default: the compute dtype)."""
+        spec = LayerSpec("mla", 1, self.config.cache_dim, kv_dtype or self.dtype, has_v=False, kv_scale=kv_scale)
+        return (spec,) * self.num_layers
 
-    def attn_shape(self, phase: str, max_q_len: int, tokens_per_block: int, mixed: bool = False) -> AttnShape:
-        """Absorbed MLA: H query heads, one KV head of ``kv_lora_rank + rope``, output ``kv_lora_rank``."""
+    def attn_shape(self, phase: str, max_q_len: int, tokens_per_block: int, mixed: bool = False,
+                   kv_dtype: torch.dtype | None = None) -> AttnShape:
+        """Absorbed MLA: H query heads, one KV head of ``kv_lora_rank + rope``, output ``kv_lora_rank``;
+        the cache in ``kv_dtype`` (default: the compute dtype)."""
         c, dt = self.config, str(self.dtype).removeprefix("torch.")
+        kv_dt = str(kv_dtype or self.dtype).removeprefix("torch.")
         sm = None
         if self.device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(self.device)
             sm = major * 10 + minor
         return AttnShape(phase, "mla", c.num_attention_heads, 1, c.cache_dim, c.kv_lora_rank,
-                         tokens_per_block, max_q_len, dt, dt, self.device.type, sm, 1, mixed)
+                         tokens_per_block, max_q_len, kv_dt, dt, self.device.type, sm, 1, mixed)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` → ``[T, hidden_size]``."""
@@ -451,15 +456,16 @@ class MLATarget:
         x = self.embed[input_ids]  # [T, hidden]
         wanted, captured = set(hidden_layer_ids), {}
         for i, L in enumerate(self.layers):
-            x = x + self._attention(L, rms_norm(x, L.norm_in, c.rms_norm_eps), cos, sin, attn, pool.k[i])
+            h = rms_norm(x, L.norm_in, c.rms_norm_eps)
+            x = x + self._attention(L, h, cos, sin, attn, pool.k[i], pool.specs[i].kv_scale)
             h = rms_norm(x, L.norm_post, c.rms_norm_eps)
             x = x + (self._moe(L.moe, h) if L.moe is not None else _swiglu(h, L.w_gate_up, L.w_down))
             if i in wanted:
                 captured[i] = x
         return x, captured
 
-    def _attention(self, L: _Layer, h, cos, sin, attn, k_cache) -> torch.Tensor:
-        """Absorbed MLA of one layer. ``h``: ``[T, hidden]`` → ``[T, hidden]``."""
+    def _attention(self, L: _Layer, h, cos, sin, attn, k_cache, kv_scale: float = 1.0) -> torch.Tensor:
+        """Absorbed MLA of one layer. ``h``: ``[T, hidden]`` → ``[T, hidden]``; ``kv_scale``: of an FP8 cache."""
         c = self.config
         T, H, nope, rope, r = h.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         q, kv = F.linear(h, L.w_a, L.b_a).split([L.w_a.shape[0] - r - rope, r + rope], dim=-1)
@@ -472,7 +478,7 @@ class MLATarget:
         q_lat = torch.einsum("thn,hnr->thr", q_nope, L.w_uk)  # [T, H, r]
         q = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, r + rope]
         k = torch.cat([c_kv[:, None, :], k_rope], dim=-1)  # [T, 1, r + rope]
-        o_lat = attn.attend(q, k, None, k_cache, None, self.scale, r)  # [T, H, r]
+        o_lat = attn.attend(q, k, None, k_cache, None, self.scale, r, kv_scale=kv_scale)  # [T, H, r]
         o = torch.einsum("thr,hvr->thv", o_lat, L.w_uv)  # [T, H, v]
         return F.linear(o.reshape(T, H * c.v_head_dim), L.w_o, L.b_o)
 
