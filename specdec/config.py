@@ -69,6 +69,11 @@ class EngineConfig:
         kv_cache_dtype: ``"auto"`` stores the target's KV in its compute dtype;
             ``"fp8_e4m3"`` stores it as FP8 E4M3 (1 byte per value), dequantized by ``kv_scale``.
         kv_scale: per-tensor scale of an FP8 cache (it holds ``value / kv_scale``); 1.0 otherwise.
+        cuda_graphs: on CUDA, replay captured graphs for generation-only steps
+            (bucketed shapes, see :mod:`specdec.graphs`); other steps run eagerly.
+        batch_invariant: run every generation step in one graph bucket, with the KV split
+            at fixed key offsets, so a token's logits do not depend on the draft length or
+            on the batch (bf16 outputs then equal the null drafter's; costs padding).
     """
 
     max_draft_tokens: int = 8
@@ -81,6 +86,8 @@ class EngineConfig:
     share_draft_kv: bool | None = None
     kv_cache_dtype: str = "auto"
     kv_scale: float = 1.0
+    cuda_graphs: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
@@ -99,6 +106,11 @@ class EngineConfig:
         if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
             raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
                               f"must be 1.0, got {self.kv_scale!r}")
+        for name in ("cuda_graphs", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.batch_invariant and not self.cuda_graphs:
+            raise ConfigError("batch_invariant=True needs cuda_graphs=True (the invariant step is a graph bucket)")
 
     @property
     def kv_dtype(self) -> torch.dtype | None:

@@ -13,16 +13,20 @@ from collections.abc import Iterable, Sequence as Seq
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata, plan_step
 from specdec.attention.selector import get_backend
 from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.base import Draft, Drafter, NullDrafter, check_hooks
 from specdec.errors import ConfigError, InvalidRequestError, PromptTooLongError, VocabMismatchError
 from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget
 from specdec.kvcache.draft_kv import DraftKV
+from specdec.graphs import GraphPolicy
+from specdec.model_runner import ModelRunner, StepInput, StepResult
 from specdec.scheduler import ScheduledBatch, Scheduler, decide_kv_sharing
 from specdec.sequence import GenerationOutput, Sequence, Status, StepOutput
 from specdec.verify import greedy_verify, logits_to_probs, rejection_sample
+
+
+_SCRATCH = object()  # owns the padding slot in the page manager; never equal to a request id
 
 
 class SpecEngine:
@@ -68,10 +72,25 @@ class SpecEngine:
         self.drafter.bind(target, self.draft_kv)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs)
         self._check_forced_backend()
+        self.runner = self._model_runner()
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._last_backends: dict[str, str] = {}
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
+
+    def _model_runner(self) -> ModelRunner:
+        cfg = self.config
+        policy = scratch = None
+        if cfg.cuda_graphs:
+            policy = GraphPolicy(cfg.max_num_seqs, cfg.max_draft_tokens, self.target.max_context, cfg.batch_invariant)
+            if self.target.device.type == "cuda":  # one slot no request owns, for padding tokens' writes
+                self.manager.allocate(_SCRATCH, 1)
+                scratch = self.manager.slots(_SCRATCH, 0, 1)[0]
+        return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, self._shape_of,
+                           self.drafter.target_layer_ids, cfg.attention_backend, scratch)
+
+    def _shape_of(self, phase: str, max_q: int, mixed: bool = False):
+        return self.target.attn_shape(phase, max_q, self.config.tokens_per_block, mixed, kv_dtype=self.config.kv_dtype)
 
     # -- public API ------------------------------------------------------------
     def _draft_kv(self, draft_specs) -> DraftKV | None:
@@ -168,10 +187,9 @@ class SpecEngine:
         if not batch:
             return self._unschedulable()
         drafts = self._propose(batch)
-        ids, positions, attn = self._prepare(batch, drafts)
-        logits, hidden = self._run(ids, positions, attn, batch, drafts)
-        emitted = self._verify(batch, drafts, logits)
-        return self._postprocess(batch, drafts, emitted, hidden)
+        result = self._run(self._prepare(batch, drafts))
+        emitted = self._verify(batch, drafts, result)
+        return self._postprocess(batch, drafts, emitted, result.hidden)
 
     def generate(self, prompts: str | Iterable[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -234,53 +252,37 @@ class SpecEngine:
         self.timings["draft_s"] += time.perf_counter() - t0
         return out
 
-    def _prepare(self, batch: ScheduledBatch, drafts: list[Draft]):
-        ids, positions, slots, ctx, gen = [], [], [], [], []
+    def _prepare(self, batch: ScheduledBatch, drafts: list[Draft]) -> StepInput:
+        """Pack the step's tokens (context requests first) and the rows verification reads."""
+        t0 = time.perf_counter()
+        ids, positions, slots, ctx, gen, rows = [], [], [], [], [], []
         for seq, draft, group in itertools.chain(((s, None, ctx) for s in batch.context),
                                                  ((s, d, gen) for s, d in zip(batch.generation, drafts))):
             fed = seq.tokens[seq.num_cached:] + (list(draft.token_ids) if draft else [])
             start, stop = seq.num_cached, seq.num_cached + len(fed)
+            # a context request's last token; a generation request's last token and its draft
+            rows += range(len(ids) + len(fed) - 1 - (len(draft) if draft else 0), len(ids) + len(fed))
             ids += fed
             positions += range(start, stop)
             slots += self.manager.slots(seq.req_id, start, stop)
             group.append((len(fed), stop, tuple(self.manager.page_table(seq.req_id))))
-        dev = self.target.device
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        tpb = self.config.tokens_per_block
+        greedy = all(s.params.greedy for s in itertools.chain(batch.context, batch.generation))
+        self.timings["host_s"] += time.perf_counter() - t0
+        return StepInput(ids, positions, slots, ctx, gen, rows, greedy)
 
-        def shape_of(phase: str, max_q: int, mixed: bool):
-            return self.target.attn_shape(phase, max_q, tpb, mixed, kv_dtype=self.config.kv_dtype)
-
-        attn = plan_step(ctx, gen, slot_mapping, shape_of, tpb, self.config.attention_backend)
-        self._last_backends = attn.backends
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev), attn)
-
-    def _run(self, ids, positions, attn: AttentionMetadata, batch: ScheduledBatch, drafts: list[Draft]):
-        """One target forward: logits of the verified rows ``[num_rows, vocab]``, and the
-        drafter's target layers concatenated ``[num_tokens, L * hidden]`` (``None`` if it reads none)."""
+    def _run(self, step: StepInput) -> StepResult:
+        """One target forward (graph replay or eager), timed up to the argmax reaching the host."""
         t0 = time.perf_counter()
-        rows, offset = [], 0
-        for seq in batch.context:
-            offset += len(seq.tokens) - seq.num_cached
-            rows.append(offset - 1)
-        for seq, d in zip(batch.generation, drafts):
-            n = len(seq.tokens) - seq.num_cached + len(d)
-            rows += range(offset + n - 1 - len(d), offset + n)
-            offset += n
-        layer_ids = self.drafter.target_layer_ids
-        with torch.inference_mode():
-            hidden, captured = self.target.forward(ids, positions, attn, self.pool, hidden_layer_ids=layer_ids)
-            logits = self.target.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-            aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
+        result = self.runner.execute(step)
+        self._last_backends = result.backends
         self.timings["forward_s"] += time.perf_counter() - t0
-        return logits, aux
+        return result
 
-    def _verify(self, batch: ScheduledBatch, drafts: list[Draft], logits: torch.Tensor) -> list[list[int]]:
+    def _verify(self, batch: ScheduledBatch, drafts: list[Draft], result: StepResult) -> list[list[int]]:
         t0 = time.perf_counter()
         seqs = batch.context + batch.generation
         all_drafts = [Draft()] * len(batch.context) + drafts
-        greedy = all(s.params.greedy for s in seqs)
-        argmax = logits.argmax(-1).tolist() if greedy else None
+        logits, argmax = result.logits, result.argmax
         emitted, row = [], 0
         for seq, d in zip(seqs, all_drafts):
             n = len(d) + 1

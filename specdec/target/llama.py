@@ -101,6 +101,12 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     raise ConfigError(f"rope_scaling type must be one of ['default', 'linear', 'llama3'], got {kind!r}")
 
 
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, as HF Llama does."""
     xf = x.float()
@@ -159,6 +165,9 @@ class LlamaTarget:
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_context, D]
         self._cos = emb.cos().to(dtype=dtype, device=self.device)
         self._sin = emb.sin().to(dtype=dtype, device=self.device)
+        # Fused Triton elementwise kernels on the GPU (a step is launch-bound there); plain
+        # PyTorch elsewhere. Tests set it on the CPU under TRITON_INTERPRET=1.
+        self.fused = self.device.type == "cuda" and _has_triton()
 
     def _load(self, w: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -219,6 +228,8 @@ class LlamaTarget:
         return self.embed[input_ids]
 
     def forward(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
+        if self.fused:
+            return self._forward_fused(input_ids, positions, attn, pool, hidden_layer_ids)
         c = self.config
         T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [T, 1, D]
@@ -240,6 +251,33 @@ class LlamaTarget:
             if i in wanted:
                 captured[i] = x
         return x, captured
+
+    def _forward_fused(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
+        """The same decoder with fused norm / RoPE / SiLU kernels and each residual add
+        folded into the next norm: about eleven kernels per layer, no host synchronisation."""
+        from specdec.target.kernels import add_rms_norm_, rope_, silu_mul
+
+        c = self.config
+        T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps, wanted, captured = c.rms_norm_eps, set(hidden_layer_ids), {}
+        x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream, updated in place
+        delta = None  # what the last sub-layer adds to x, folded into the next norm
+        for i, L in enumerate(self.layers):
+            h = add_rms_norm_(x, delta, L.norm_in, eps)
+            qkv = F.linear(h, L.w_qkv, L.b_qkv)  # [T, (H + 2 Hkv) * D]
+            if L.q_norm is not None:  # Qwen3: per-head norm before RoPE (rare; plain PyTorch)
+                q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+                qkv = torch.cat([rms_norm(q.view(T, H, D), L.q_norm, eps).view(T, H * D),
+                                 rms_norm(k.view(T, Hkv, D), L.k_norm, eps).view(T, Hkv * D), v], -1)
+            rope_(qkv, H + Hkv, D, self._cos, self._sin, positions)  # Q heads then K heads, in place
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            o = attn.attend(q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D), pool.k[i], pool.v[i], self.scale, D,
+                            kv_scale=pool.specs[i].kv_scale)
+            h = add_rms_norm_(x, F.linear(o.reshape(T, H * D), L.w_o), L.norm_post, eps)
+            delta = F.linear(silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
+            if i in wanted:
+                captured[i] = x + delta
+        return x + delta, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)

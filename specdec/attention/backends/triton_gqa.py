@@ -55,7 +55,7 @@ def _gqa_attn_kernel(
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
-    num_heads, m_blocks, qk_scale, v_scale,
+    num_heads, m_blocks, qk_scale, v_scale, split_chunk,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -99,7 +99,11 @@ def _gqa_attn_kernel(
     last_visible = kv_len - q_len + tok  # [BLOCK_M]
     last_tok = tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1)
     end = kv_len - q_len + last_tok + 1  # no row of this block sees past it
-    chunk = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # per request: balanced
+    # Per request: balanced chunks; or a fixed chunk (a multiple of BLOCK_N) so that which keys a
+    # split holds, hence the summation order, does not depend on kv_len (batch-invariant steps).
+    chunk = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if split_chunk > 0:
+        chunk = split_chunk
     lo = split * chunk
     hi = tl.minimum(lo + chunk, end)
 
@@ -208,6 +212,26 @@ if INTERPRETED:
     _fix_interpreter()
 
 
+def pack_meta(q_lens, kv_lens, page_tables, tokens_per_block: int, width: int) -> list[list[int]]:
+    """Per request ``[kv_len, q_len, q_start, page ids...]`` padded with 0 to ``width`` columns.
+
+    Raises:
+        ConfigError: a request has ``kv_len < q_len`` or a page table too short for its ``kv_len``.
+    """
+    rows, q_start = [], 0
+    for i, (q_len, kv_len, table) in enumerate(zip(q_lens, kv_lens, page_tables)):
+        pages = -(-kv_len // tokens_per_block)
+        if not 1 <= q_len <= kv_len:
+            raise ConfigError(f"request {i}: need 1 <= q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
+        if len(table) < pages:
+            raise ConfigError(f"request {i}: page table has {len(table)} pages, kv_len={kv_len} needs {pages}")
+        if 3 + pages > width:
+            raise ConfigError(f"request {i}: kv_len={kv_len} needs {pages} pages, more than the {width - 3} columns")
+        rows.append([kv_len, q_len, q_start, *table[:pages]] + [0] * (width - 3 - pages))
+        q_start += q_len
+    return rows
+
+
 @dataclass(frozen=True, slots=True)
 class TritonGQAPlan:
     """One phase's metadata on the device, shared by every layer of the step.
@@ -220,6 +244,8 @@ class TritonGQAPlan:
         num_seqs, num_tokens, max_q_len, max_kv_len: host integers for launch sizes.
         tokens_per_block: page size.
         num_sms: streaming multiprocessors of the device (sizes the KV split).
+        num_splits: KV splits to launch; ``None`` lets ``run`` choose from the occupancy.
+        split_chunk: keys per split, fixed (a multiple of 64); 0 = balanced per request.
     """
 
     meta: torch.Tensor
@@ -233,6 +259,8 @@ class TritonGQAPlan:
     max_kv_len: int
     tokens_per_block: int
     num_sms: int
+    num_splits: int | None = None
+    split_chunk: int = 0
 
 
 class TritonGQABackend(AttentionBackend):
@@ -244,6 +272,8 @@ class TritonGQABackend(AttentionBackend):
     """
 
     name = "triton_gqa"
+    capturable = True  # run() launches from host integers only: CUDA-graph safe
+    pack_meta = staticmethod(pack_meta)  # the rows of a graph plan's static meta buffer
 
     def __init__(self, max_splits: int = 16, min_split_tokens: int = 256):
         if max_splits < 1:
@@ -298,17 +328,9 @@ class TritonGQABackend(AttentionBackend):
             ConfigError: a request has ``kv_len < q_len`` or a page table too short for its ``kv_len``.
         """
         tpb = batch.tokens_per_block
-        num_pages = [-(-kv // tpb) for kv in batch.kv_lens]
-        width = 3 + max(num_pages)
-        rows, q_start = [], 0
-        for i, (q_len, kv_len, table) in enumerate(zip(batch.q_lens, batch.kv_lens, batch.page_tables)):
-            if not 1 <= q_len <= kv_len:
-                raise ConfigError(f"request {i}: need 1 <= q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
-            if len(table) < num_pages[i]:
-                raise ConfigError(f"request {i}: page table has {len(table)} pages, kv_len={kv_len} needs {num_pages[i]}")
-            row = [kv_len, q_len, q_start, *table[: num_pages[i]]]
-            rows.append(row + [0] * (width - len(row)))
-            q_start += q_len
+        width = 3 + max(-(-kv // tpb) for kv in batch.kv_lens)
+        rows = pack_meta(batch.q_lens, batch.kv_lens, batch.page_tables, tpb, width)
+        q_start = batch.num_tokens
         meta = torch.tensor(rows, dtype=torch.int32).to(batch.device)
         return TritonGQAPlan(
             meta=meta,
@@ -322,6 +344,32 @@ class TritonGQABackend(AttentionBackend):
             max_kv_len=max(batch.kv_lens),
             tokens_per_block=tpb,
             num_sms=self._sm_count(batch.device),
+        )
+
+    def graph_plan(self, meta: torch.Tensor, num_tokens: int, max_q_len: int, max_kv_len: int,
+                   tokens_per_block: int, *, split_chunk: int = 0) -> TritonGQAPlan:
+        """A plan over a static ``meta`` buffer that the caller refills each step (CUDA graphs).
+
+        Launch sizes come from the bucket (``meta`` rows, ``max_q_len``, ``max_kv_len``),
+        never from the step, so one captured launch serves every step that fits.
+        Rows of ``meta`` are :func:`pack_meta` rows; unused rows have ``q_len = 0``.
+
+        Args:
+            meta: ``[num_seqs, 3 + max_pages]`` int32 on the device.
+            num_tokens: query rows of the bucket.
+            max_q_len: largest ``q_len`` a step in the bucket may have.
+            max_kv_len: largest ``kv_len`` a step in the bucket may have.
+            tokens_per_block: page size.
+            split_chunk: fixed keys per split (a multiple of 64), with as many splits as
+                ``max_kv_len`` needs; 0 = balanced splits sized for the occupancy.
+        """
+        if split_chunk and split_chunk % 64:
+            raise ConfigError(f"split_chunk must be a multiple of 64 (the key tile), got {split_chunk}")
+        return TritonGQAPlan(
+            meta=meta, kv_lens=meta[:, 0], q_lens=meta[:, 1], q_start=meta[:, 2], page_tables=meta[:, 3:],
+            num_seqs=meta.shape[0], num_tokens=num_tokens, max_q_len=max_q_len, max_kv_len=max_kv_len,
+            tokens_per_block=tokens_per_block, num_sms=self._sm_count(meta.device),
+            num_splits=-(-max_kv_len // split_chunk) if split_chunk else None, split_chunk=split_chunk,
         )
 
     def run(self, plan: TritonGQAPlan, q, k_cache, v_cache, scale: float, v_head_dim: int, *,
@@ -348,7 +396,7 @@ class TritonGQABackend(AttentionBackend):
         block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
         block_m, block_n = _tile_sizes(q.dtype == torch.float32, max(block_d, block_dv), plan.max_q_len * group)
         m_blocks = -(-plan.max_q_len * group // block_m)
-        splits = self._num_splits(plan, m_blocks * num_kv_heads)
+        splits = plan.num_splits or self._num_splits(plan, m_blocks * num_kv_heads)
         if splits > 1:
             o_part = q.new_empty(num_tokens, num_heads, splits, v_head_dim, dtype=torch.float32)
             lse_part = q.new_empty(num_tokens, num_heads, splits, dtype=torch.float32)
@@ -359,7 +407,7 @@ class TritonGQABackend(AttentionBackend):
             q, k_cache, v_cache, out, o_part, lse_part, plan.meta,
             plan.meta.stride(0),
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-            num_heads, m_blocks, scale * kv_scale * math.log2(math.e), kv_scale,
+            num_heads, m_blocks, scale * kv_scale * math.log2(math.e), kv_scale, plan.split_chunk,
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_head_dim, PAGE=plan.tokens_per_block, NUM_SPLITS=splits,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

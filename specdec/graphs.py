@@ -1,0 +1,104 @@
+"""CUDA-graph buckets: which generation steps replay a captured graph, which run eagerly.
+
+A captured graph has fixed launch sizes, so a step replays the graph of the
+smallest *bucket* that holds it, its inputs padded: extra tokens write to a
+scratch slot and are ignored, extra requests have ``q_len = 0``. Buckets:
+
+- requests: the next power of two, at most ``max_num_seqs``;
+- tokens per request: 1 (decode) or ``1 + max_draft_tokens`` (verify, any draft length);
+- tokens: the next power of two, between the bucket's requests and requests x tokens per request;
+- context: the next power of two of the longest request's ``kv_len``, at least
+  256 tokens, at most the model's context (it sizes the split-KV launch).
+
+With ``batch_invariant`` there is one bucket, the largest (``max_num_seqs``
+requests x ``1 + max_draft_tokens`` tokens, the whole context, KV split at
+fixed key offsets): every generation step then runs the same kernels, so a
+token's logits do not depend on the draft length or on the other requests.
+
+These are pure functions, tested on the CPU; :mod:`specdec.model_runner` uses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_KV_BUCKET = 256
+INVARIANT_SPLIT_CHUNK = 256  # keys per KV split in batch-invariant steps (a multiple of every key tile)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    """The launch sizes of one captured graph (a bucket)."""
+
+    num_seqs: int
+    num_tokens: int
+    max_q_len: int
+    max_kv_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class GraphPolicy:
+    """What the runner may capture.
+
+    Attributes:
+        max_num_seqs: most requests in a step (the engine's ``max_num_seqs``).
+        max_draft_tokens: most draft tokens per request (k).
+        max_context: most tokens a request may hold.
+        batch_invariant: one bucket for every generation step (see module docstring).
+    """
+
+    max_num_seqs: int
+    max_draft_tokens: int
+    max_context: int
+    batch_invariant: bool = False
+
+    @property
+    def verify_len(self) -> int:
+        return 1 + self.max_draft_tokens
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def graph_key(policy: GraphPolicy, q_lens: list[int] | tuple[int, ...],
+              kv_lens: list[int] | tuple[int, ...]) -> tuple[GraphKey | None, str]:
+    """The bucket of a generation-only step, or ``None`` and why it must run eagerly.
+
+    Args:
+        policy: the runner's limits.
+        q_lens: query tokens of each request (1 + its draft length).
+        kv_lens: cached tokens of each request after this step's writes.
+    """
+    n = len(q_lens)
+    if n == 0:
+        return None, "no generation requests"
+    if n > policy.max_num_seqs:
+        return None, f"{n} requests > max_num_seqs {policy.max_num_seqs}"
+    q = max(q_lens)
+    if q > policy.verify_len:
+        return None, f"a request feeds {q} tokens > 1 + max_draft_tokens = {policy.verify_len}"
+    if max(kv_lens) > policy.max_context:
+        return None, f"kv_len {max(kv_lens)} > max_context {policy.max_context}"
+    if policy.batch_invariant:
+        b, ql = policy.max_num_seqs, policy.verify_len
+        return GraphKey(b, b * ql, ql, policy.max_context), ""
+    b = min(next_pow2(n), policy.max_num_seqs)
+    ql = 1 if q == 1 else policy.verify_len
+    tokens = max(b, min(next_pow2(sum(q_lens)), b * ql))
+    kv = min(max(next_pow2(max(kv_lens)), MIN_KV_BUCKET), policy.max_context)
+    return GraphKey(b, tokens, ql, kv), ""
+
+
+def pad_step(key: GraphKey, input_ids: list[int], positions: list[int], slots: list[int],
+             scratch_slot: int) -> tuple[list[int], list[int], list[int]]:
+    """Pad a step's token inputs to the bucket: token 0 at position 0, written to ``scratch_slot``.
+
+    Raises:
+        ValueError: the step has more tokens than the bucket.
+    """
+    pad = key.num_tokens - len(input_ids)
+    if pad < 0:
+        raise ValueError(f"step has {len(input_ids)} tokens, more than its bucket's {key.num_tokens}")
+    return input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad

@@ -1,0 +1,215 @@
+"""`ModelRunner`: one target forward per engine step, eager or by CUDA-graph replay.
+
+The engine hands it a :class:`StepInput` (host lists); it returns the logits of
+the rows verification needs, their argmax on the host when every request is
+greedy (the step's one device-to-host synchronisation), and the drafter's
+target hidden states.
+
+Generation-only steps on CUDA replay a graph captured for their bucket
+(:mod:`specdec.graphs`) when the generation backend is capturable; every
+other step runs eagerly, and ``stats["eager_reasons"]`` says why. A step's
+host inputs reach the device in two non-blocking copies from pinned buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
+from specdec.attention.selector import select
+from specdec.graphs import INVARIANT_SPLIT_CHUNK, GraphKey, GraphPolicy, graph_key, pad_step
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One step's tokens, packed context requests first, then generation requests.
+
+    Attributes:
+        input_ids, positions, slots: per token. ``[num_tokens]``
+        context, generation: ``(q_len, kv_len, page_table)`` per request of each phase.
+        rows: token rows whose logits verification reads, in order.
+        greedy: every request is greedy (only the argmax is needed on the host).
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    context: list[tuple[int, int, tuple[int, ...]]]
+    generation: list[tuple[int, int, tuple[int, ...]]]
+    rows: list[int]
+    greedy: bool
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward produced; device tensors stay valid until the next step.
+
+    Attributes:
+        logits: fp32 logits of ``StepInput.rows``. ``[num_rows, vocab_size]``
+        argmax: their argmax on the host when the step is greedy, else ``None``.
+        hidden: the drafter's target layers, concatenated. ``[num_tokens, L * hidden_size]`` or ``None``
+        backends: phase → attention backend that ran it.
+        graph: whether a CUDA graph was replayed.
+    """
+
+    logits: torch.Tensor
+    argmax: list[int] | None
+    hidden: torch.Tensor | None
+    backends: dict[str, str]
+    graph: bool = False
+
+
+@dataclass(slots=True)
+class _Captured:
+    key: GraphKey
+    backend: object
+    tokens_host: torch.Tensor  # pinned [3, num_tokens] int64: ids, positions, slots
+    tokens_dev: torch.Tensor
+    meta_host: torch.Tensor  # pinned [num_seqs, width] int32
+    meta_dev: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple = field(default_factory=tuple)  # logits, argmax, hidden
+
+
+class ModelRunner:
+    """Runs the target over a step, replaying CUDA graphs where the step fits one.
+
+    Args:
+        target: the model.
+        pool: its KV pool.
+        policy: graph buckets (``None`` disables graphs).
+        tokens_per_block: page size.
+        shape_of: ``(phase, max_q_len, mixed) -> AttnShape`` of this target and cache.
+        hidden_layer_ids: target layers the drafter reads.
+        requested_backend: attention backend the user forced, or ``None``.
+        scratch_slot: a cache slot no request owns, for the writes of padding tokens.
+    """
+
+    def __init__(self, target, pool, policy: GraphPolicy | None, tokens_per_block: int, shape_of,
+                 hidden_layer_ids=(), requested_backend: str | None = None, scratch_slot: int | None = None):
+        self.target, self.pool, self.policy, self.tpb = target, pool, policy, tokens_per_block
+        self.shape_of = shape_of
+        self.hidden_layer_ids = tuple(hidden_layer_ids)
+        self.requested = requested_backend
+        self.scratch_slot = scratch_slot
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._mempool = None
+        self.stats = {"graph_steps": 0, "eager_steps": 0, "graphs_captured": 0, "capture_s": 0.0,
+                      "eager_reasons": Counter()}
+        if policy is None:
+            self._no_graph = "cuda_graphs disabled"
+        elif target.device.type != "cuda":
+            self._no_graph = f"device is {target.device.type}, graphs need cuda"
+        elif scratch_slot is None:
+            self._no_graph = "no scratch slot for padding"
+        else:
+            self._no_graph = ""
+
+    @property
+    def meta_width(self) -> int:
+        return 3 + -(-self.target.max_context // self.tpb)
+
+    # -- entry point -----------------------------------------------------------
+    def execute(self, step: StepInput) -> StepResult:
+        """Run the target over ``step``."""
+        why = self._no_graph or ("a context phase in the step" if step.context else "")
+        key = None
+        if not why:
+            key, why = graph_key(self.policy, [g[0] for g in step.generation], [g[1] for g in step.generation])
+        backend = None
+        if key is not None:
+            backend = select(self.shape_of("generation", key.max_q_len, False), self.requested)
+            if not getattr(backend, "capturable", False):
+                why = f"backend {backend.name} cannot be captured"
+        if why:
+            self.stats["eager_steps"] += 1
+            self.stats["eager_reasons"][why] += 1
+            return self._eager(step)
+        self.stats["graph_steps"] += 1
+        return self._replay(key, backend, step)
+
+    # -- eager -----------------------------------------------------------------
+    def _eager(self, step: StepInput) -> StepResult:
+        dev = self.target.device
+        slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
+        attn = plan_step(step.context, step.generation, slot_mapping, self.shape_of, self.tpb, self.requested)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        layer_ids = self.hidden_layer_ids
+        with torch.inference_mode():
+            hidden, captured = self.target.forward(ids, pos, attn, self.pool, hidden_layer_ids=layer_ids)
+            rows = hidden if len(step.rows) == len(step.input_ids) else hidden[torch.tensor(step.rows, device=dev)]
+            logits = self.target.compute_logits(rows)
+            aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
+            argmax = logits.argmax(-1).tolist() if step.greedy else None
+        return StepResult(logits, argmax, aux, attn.backends)
+
+    # -- graphs ----------------------------------------------------------------
+    def _replay(self, key: GraphKey, backend, step: StepInput) -> StepResult:
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture(key, backend, step)
+        else:
+            self._fill(g, step)
+            g.graph.replay()
+        n = len(step.input_ids)
+        logits, argmax, aux = g.outputs
+        return StepResult(logits[:n], argmax[:n].tolist() if step.greedy else None,
+                          None if aux is None else aux[:n], {"generation": g.backend.name}, graph=True)
+
+    def _fill(self, g: _Captured, step: StepInput) -> None:
+        """Copy the step's (padded) inputs into the graph's static buffers: two async copies."""
+        ids, pos, slots = pad_step(g.key, step.input_ids, step.positions, step.slots, self.scratch_slot)
+        g.tokens_host.copy_(torch.tensor([ids, pos, slots], dtype=torch.long))
+        gen = step.generation
+        rows = g.backend.pack_meta([s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen], self.tpb,
+                                   g.meta_host.shape[1])
+        rows += [[0] * g.meta_host.shape[1]] * (g.key.num_seqs - len(rows))  # q_len 0: the kernel skips them
+        g.meta_host.copy_(torch.tensor(rows, dtype=torch.int32))
+        g.tokens_dev.copy_(g.tokens_host, non_blocking=True)
+        g.meta_dev.copy_(g.meta_host, non_blocking=True)
+
+    def _capture(self, key: GraphKey, backend, step: StepInput) -> _Captured:
+        """Capture the bucket's graph. Its warm-up runs ``step`` for real (same writes, same result)."""
+        t0 = time.perf_counter()
+        dev = self.target.device
+        width = self.meta_width
+        g = _Captured(key, backend,
+                      torch.empty(3, key.num_tokens, dtype=torch.long).pin_memory(),
+                      torch.empty(3, key.num_tokens, dtype=torch.long, device=dev),
+                      torch.empty(key.num_seqs, width, dtype=torch.int32).pin_memory(),
+                      torch.empty(key.num_seqs, width, dtype=torch.int32, device=dev))
+        self._fill(g, step)
+        chunk = INVARIANT_SPLIT_CHUNK if self.policy.batch_invariant else 0
+        plan = backend.graph_plan(g.meta_dev, key.num_tokens, key.max_q_len, key.max_kv_len, self.tpb,
+                                  split_chunk=chunk)
+        shape = self.shape_of("generation", key.max_q_len, False)
+        attn = AttentionMetadata(g.tokens_dev[2], (PhasePlan(shape, 0, key.num_tokens, backend, plan),))
+        layer_ids = self.hidden_layer_ids
+
+        def forward():
+            hidden, captured = self.target.forward(g.tokens_dev[0], g.tokens_dev[1], attn, self.pool,
+                                                   hidden_layer_ids=layer_ids)
+            logits = self.target.compute_logits(hidden)
+            aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
+            return logits, logits.argmax(-1), aux
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.inference_mode(), torch.cuda.stream(side):
+            forward()  # warm-up: compiles kernels, creates cuBLAS handles (never inside a capture)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(g.graph, pool=self._mempool):
+            g.outputs = forward()
+        g.graph.replay()  # the step's result, from the graph itself
+        self._graphs[key] = g
+        self.stats["graphs_captured"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        return g
