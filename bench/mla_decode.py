@@ -78,20 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 TUNABLE = ("num_splits", "min_split_tokens", "waves", "block_m", "block_n", "num_warps", "num_stages")
 
 
-def fix_interpreter_for_numpy_24() -> None:
-    """Triton <= 3.6's interpreter calls ``int()`` on 1-element arrays (an error since NumPy 2.4) for
-    runtime loop bounds: triton-lang/triton#9171, fixed upstream. Smoke mode only."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def make_step(torch, *, h, q_len, batch, context, page, kv, latent, rope, q_dtype, device, seed=0):
     """A decoding step: ``batch`` requests of ``context`` cached tokens on shuffled pages."""
     from specdec.attention.backends.base import PhaseBatch
@@ -194,7 +180,9 @@ def main(argv=None) -> int:
     from specdec.attention.shapes import AttnShape
 
     if args.smoke:
-        fix_interpreter_for_numpy_24()
+        from specdec.attention.backends.triton_interp import fix_interpreter
+
+        fix_interpreter()  # Triton 3.6 interpreter bugs (tests and smoke runs only)
     grid = SMOKE if args.smoke else QUICK if args.quick else FULL
     latent, rope = (32, 16) if args.smoke else (LATENT, ROPE)
     tuned = {k: getattr(args, k) for k in TUNABLE if getattr(args, k) is not None}

@@ -60,3 +60,16 @@ class PagedRunner:
 @pytest.fixture
 def paged_runner():
     return PagedRunner
+
+
+@pytest.fixture(scope="module")
+def fixed_triton_interpreter():
+    """Triton's CPU interpreter with its known bugs fixed for one test module; yields the bugs seen before.
+
+    See ``specdec.attention.backends.triton_interp``; restored when the module's tests are done.
+    """
+    pytest.importorskip("triton")
+    from specdec.attention.backends.triton_interp import fixed_interpreter
+
+    with fixed_interpreter() as bugs_before:
+        yield bugs_before

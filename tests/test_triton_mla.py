@@ -33,7 +33,9 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu'): no triton_mla backend to test")
 
 from specdec.attention import selector  # noqa: E402
-from specdec.attention.backends import triton_mla  # noqa: E402
+import triton  # noqa: E402
+
+from specdec.attention.backends import triton_interp, triton_mla  # noqa: E402
 from specdec.attention.backends.base import PhaseBatch  # noqa: E402
 from specdec.attention.backends.torch_ref import TorchRefBackend  # noqa: E402
 from specdec.attention.backends.triton_mla import TritonMLABackend, TritonMLAConfig  # noqa: E402
@@ -51,53 +53,19 @@ F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
 NAME = {F32: "float32", BF16: "bfloat16", FP8: "float8_e4m3fn", torch.float16: "float16"}
 TOL = {F32: 2e-5, BF16: 2e-2}  # by query dtype; fp32 accumulation either way
 FP8_NAN = 0x7F  # an E4M3FN NaN byte
-UNPATCHED: dict[str, object] = {}  # what the interpreter could do before the test fixes
+UNPATCHED: dict[str, object] = {}  # the interpreter bugs present before the test fixes
 
 
 # --------------------------------------------------------------------------- interpreter fixes (tests only)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpreter_fixes():
-    """Work around two bugs of Triton 3.6's CPU interpreter (not of the kernels), for this module only.
-
-    - NumPy >= 2.4 refuses ``int()`` of a 1-element array, which the interpreter uses for
-      ``range`` bounds held in tensors (triton-lang/triton#9171, fixed upstream by ``squeeze``);
-    - ``tl.dot`` multiplies bfloat16 operands as their raw uint16 bits (triton-lang/triton#11584);
-      GPU tensor cores form exact bf16 products in fp32, which is what upcasting first computes.
-
-    ``supports`` probes the interpreter, so it refuses CPU shapes without these fixes
-    (``test_supports_probes_the_interpreter``) and accepts them with the fixes.
-    """
-    if not INTERPRET:
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    probes = (triton_mla.interpreter_runs_loops, triton_mla.interpreter_bf16_dot)
-    for probe in probes:
-        probe.cache_clear()
-    UNPATCHED.update(loops=probes[0](), bf16_dot=probes[1](), verdict=TritonMLABackend().supports(mla_cpu()),
-                     bf16_verdict=TritonMLABackend().supports(mla_cpu(q_dtype="bfloat16")))
-    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def patched_dot(self, a, b, d, *args):
-        a = self.cast_impl(a, tl.float32) if a.dtype.scalar == tl.bfloat16 else a
-        b = self.cast_impl(b, tl.float32) if b.dtype.scalar == tl.bfloat16 else b
-        return create_dot(self, a, b, d, *args)
-
-    interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot = patched_tensor, patched_dot
-    for probe in probes:
-        probe.cache_clear()
+def _interpreter_fixes(fixed_triton_interpreter):
+    """Triton 3.6's CPU interpreter has two bugs (not the kernels'): fixed for this module by the
+    conftest fixture (``specdec.attention.backends.triton_interp``). Without the fixes ``supports``
+    refuses the CPU shapes they would break (``test_supports_refuses_what_the_interpreter_breaks``)."""
+    UNPATCHED.update(bugs=fixed_triton_interpreter)
     yield
-    interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot = patch_tensor, create_dot
-    for probe in probes:
-        probe.cache_clear()
 
 
 # --------------------------------------------------------------------------- harness
@@ -248,15 +216,40 @@ def test_cpu_only_under_the_interpreter():
     assert select(mla_cpu()).name == "torch_ref"
 
 
-@needs_interpreter
-def test_supports_probes_the_interpreter():
-    """Without the fixes above, this interpreter cannot run the kernels, and ``supports`` said so."""
-    if not UNPATCHED["loops"]:
-        assert not UNPATCHED["verdict"].ok and "triton-lang/triton#9171" in UNPATCHED["verdict"].reason
-    if UNPATCHED["loops"] and not UNPATCHED["bf16_dot"]:
-        assert UNPATCHED["verdict"].ok
-        assert not UNPATCHED["bf16_verdict"].ok and "#11584" in UNPATCHED["bf16_verdict"].reason
-    assert triton_mla.interpreter_runs_loops() and triton_mla.interpreter_bf16_dot()  # with the fixes
+@pytest.mark.parametrize("bugs", [frozenset(), {triton_interp.LOOP_BOUNDS}, {triton_interp.BF16_DOT},
+                                  {triton_interp.LOOP_BOUNDS, triton_interp.BF16_DOT}], ids=str)
+def test_supports_refuses_what_the_interpreter_breaks(monkeypatch, bugs):
+    """CPU shapes: every kernel loop has runtime bounds; only bf16 queries reach tl.dot in bf16."""
+    monkeypatch.setattr(triton_interp, "interpreter_bugs", lambda: frozenset(bugs))
+    monkeypatch.setattr(triton_mla, "INTERPRET", True)
+    for q_dtype, kv_dtype in [("float32", "float32"), ("float32", "bfloat16"), ("float32", "float8_e4m3fn"),
+                              ("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn")]:
+        verdict = TritonMLABackend().supports(mla_cpu(q_dtype=q_dtype, kv_dtype=kv_dtype))
+        broken = triton_interp.LOOP_BOUNDS in bugs or (q_dtype == "bfloat16" and triton_interp.BF16_DOT in bugs)
+        assert verdict.ok == (not broken), (q_dtype, kv_dtype, verdict.reason)
+        if triton_interp.LOOP_BOUNDS in bugs:
+            assert "triton-lang/triton#9171" in verdict.reason
+        elif broken:
+            assert "triton-lang/triton#11584" in verdict.reason
+
+
+def test_interpreter_probe_sees_the_bugs_and_the_fix():
+    """The probe runs on the interpreter whatever TRITON_INTERPRET says; the fix removes what it finds."""
+    import numpy
+    from triton.runtime import interpreter
+
+    assert triton_interp.interpreter_bugs() == frozenset()  # fixed for this module
+    pristine = not getattr(interpreter, "_specdec_fixed", False)  # triton_gqa's own patch, if still present
+    if pristine and triton.__version__.startswith("3.6") and tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4):
+        assert UNPATCHED["bugs"] == {triton_interp.LOOP_BOUNDS, triton_interp.BF16_DOT}
+    triton_interp.unfix_interpreter()
+    try:
+        assert triton_interp.interpreter_bugs() == UNPATCHED["bugs"]
+        if UNPATCHED["bugs"] and INTERPRET:
+            assert not TritonMLABackend().supports(mla_cpu(q_dtype="bfloat16")).ok
+    finally:
+        triton_interp.fix_interpreter()
+    assert triton_interp.interpreter_bugs() == frozenset()
 
 
 def test_plan_builds_padded_int32_tables_once():

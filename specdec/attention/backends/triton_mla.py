@@ -50,7 +50,6 @@ fp32 queries (interpreter tests) use IEEE fp32 dots.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -59,13 +58,9 @@ import triton
 import triton.language as tl
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
+from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.errors import ConfigError
-
-# Triton decides at decoration time whether a kernel is compiled or interpreted
-# (TRITON_INTERPRET=1). Our kernels are decorated at import, so this is fixed
-# for the life of the module, and ``supports`` reports it truthfully.
-INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 
 TOKENS_PER_BLOCK = (16, 32, 64, 128)
 # On the GPU only the configurations the launch heuristics were sized for (shared memory,
@@ -83,58 +78,6 @@ VALIDATED_SM = (90,)
 FP8_MIN_SM = 89  # native e4m3 conversion
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _probe_loop(X, n):
-    acc = tl.load(X)
-    for _ in range(0, n):
-        acc += 1
-    tl.store(X, acc)
-
-
-@triton.jit
-def _probe_bf16_dot(A, C):
-    offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    a = tl.load(A + offs)
-    tl.store(C + offs, tl.dot(a, a))
-
-
-@functools.cache
-def interpreter_runs_loops() -> bool:
-    """Whether kernels with runtime loop bounds run (always true when compiled).
-
-    Triton 3.6's interpreter cannot: it calls ``int()`` on a 1-element array,
-    an error since NumPy 2.4 (triton-lang/triton#9171, fixed upstream).
-    Probed once; callers that patch the interpreter clear the cache.
-    """
-    if not INTERPRET:
-        return True
-    x = torch.zeros(1, dtype=torch.int32)
-    try:
-        _probe_loop[(1,)](x, 3)
-    except Exception:  # the interpreter's error types vary across versions
-        return False
-    return int(x) == 3
-
-
-@functools.cache
-def interpreter_bf16_dot() -> bool:
-    """Whether ``tl.dot`` of bf16 operands is right (always true when compiled).
-
-    Triton's interpreter stores bf16 as uint16 and multiplies the bit patterns
-    (triton-lang/triton#11584; bf16 arithmetic is documented as unsupported in
-    interpreter mode). Probed once; callers that patch the interpreter clear the cache.
-    """
-    if not INTERPRET:
-        return True
-    a = torch.eye(16, dtype=torch.bfloat16) * 2
-    c = torch.zeros(16, 16)
-    try:
-        _probe_bf16_dot[(1,)](a, c)
-    except Exception:
-        return False
-    return bool(torch.equal(c, torch.eye(16) * 4))
 
 
 @triton.jit
@@ -273,6 +216,11 @@ def _mla_merge(
     tl.store(o_ptr[:, None] + offs_d[None, :], (acc / total[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
 
 
+# Triton decides at decoration time whether a kernel is compiled or interpreted
+# (TRITON_INTERPRET=1 at import); fixed for the life of the module.
+INTERPRET: bool = is_interpreted(_mla_stage1)
+
+
 @dataclass(frozen=True, slots=True)
 class TritonMLAConfig:
     """Launch choices of :class:`TritonMLABackend` (speed only; never correctness).
@@ -373,9 +321,9 @@ class TritonMLABackend(AttentionBackend):
         pages of 16/32/64/128 tokens; no Helix; device cuda at a validated
         arch (sm90) with q bf16 and KV bf16 or FP8 E4M3; or cpu (q fp32/bf16,
         KV fp32/bf16/FP8) only when the kernels were decorated under
-        ``TRITON_INTERPRET=1`` and that interpreter runs them
-        (:func:`interpreter_runs_loops`; bf16 queries also need
-        :func:`interpreter_bf16_dot`).
+        ``TRITON_INTERPRET=1`` and that interpreter computes them right
+        (:func:`~specdec.attention.backends.triton_interp.interpreter_refusal`:
+        runtime loop bounds always; bf16 ``tl.dot`` for bf16 queries).
         """
         if shape.kind != "mla":
             return no(f"kind must be 'mla' (latent cache), got {shape.kind!r}")
@@ -401,12 +349,9 @@ class TritonMLABackend(AttentionBackend):
                 return no(f"kv_dtype must be one of {KV_DTYPES_CPU} on the interpreter, got {shape.kv_dtype}")
             if shape.device != "cpu":
                 return no(f"kernels were decorated under TRITON_INTERPRET=1: cpu only, got {shape.device}")
-            if not interpreter_runs_loops():
-                return no("this Triton interpreter cannot run runtime loop bounds "
-                          "(triton-lang/triton#9171, NumPy >= 2.4)")
-            if shape.q_dtype == "bfloat16" and not interpreter_bf16_dot():
-                return no("this Triton interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): "
-                          "q_dtype must be float32 under TRITON_INTERPRET=1")
+            refusal = interpreter_refusal(loops=True, bf16_dot=shape.q_dtype == "bfloat16")
+            if refusal:
+                return no(refusal)
             return YES
         if shape.device != "cuda":
             return no(f"device must be cuda (cpu only under TRITON_INTERPRET=1 at import), got {shape.device}")
