@@ -119,6 +119,13 @@ class SpecEngine:
         return {"pools": pools, "shared": self.kv_decision.shared, "reason": self.kv_decision.reason}
 
     @property
+    def graph_stats(self) -> dict:
+        """CUDA-graph steps vs eager steps (with the reasons), graphs captured and their time,
+        and how many steps each ``phase:backend`` ran."""
+        st = self.runner.stats
+        return {**st, "eager_reasons": dict(st["eager_reasons"]), "backends": dict(st["backends"])}
+
+    @property
     def attention_backends(self) -> dict[str, str]:
         """Backend that ran each phase of the last step (``{"context": ..., "generation": ...}``)."""
         return dict(self._last_backends)

@@ -98,8 +98,9 @@ class ModelRunner:
         self.scratch_slot = scratch_slot
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool = None
+        # graph/eager step counts, why steps ran eagerly, captures, and which backend ran each phase
         self.stats = {"graph_steps": 0, "eager_steps": 0, "graphs_captured": 0, "capture_s": 0.0,
-                      "eager_reasons": Counter()}
+                      "eager_reasons": Counter(), "backends": Counter()}
         if policy is None:
             self._no_graph = "cuda_graphs disabled"
         elif target.device.type != "cuda":
@@ -128,9 +129,13 @@ class ModelRunner:
         if why:
             self.stats["eager_steps"] += 1
             self.stats["eager_reasons"][why] += 1
-            return self._eager(step)
-        self.stats["graph_steps"] += 1
-        return self._replay(key, backend, step)
+            result = self._eager(step)
+        else:
+            self.stats["graph_steps"] += 1
+            result = self._replay(key, backend, step)
+        for phase, name in result.backends.items():
+            self.stats["backends"][f"{phase}:{name}"] += 1
+        return result
 
     # -- eager -----------------------------------------------------------------
     def _eager(self, step: StepInput) -> StepResult:

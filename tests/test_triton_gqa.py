@@ -250,6 +250,51 @@ def test_split_kv_merge(split_backend, q_len):
     assert split_backend._num_splits(plan, 1) == 4
 
 
+def _cache_after_writes(step):
+    kc, vc = step["k_cache"].clone(), step["v_cache"].clone()
+    kc.index_copy_(0, step["slot_mapping"], step["k"])
+    vc.index_copy_(0, step["slot_mapping"], step["v"])
+    return kc, vc
+
+
+@needs_kernels
+@pytest.mark.parametrize("split_chunk", [0, 64])
+def test_graph_plan_ignores_padding_requests_and_tokens(split_chunk):
+    """A CUDA-graph plan over a static meta buffer: extra rows (``q_len = 0``) and extra query
+    tokens change nothing for the real requests, with balanced or fixed-offset splits."""
+    step = make_step([], [(3, 150), (1, 40)], h=4, hkv=2, d=32, tpb=8, dtype=torch.float32, seed=5)
+    ref, _ = attend(step, "torch_ref")
+    backend, width = TritonGQABackend(), 3 + 32
+    rows = backend.pack_meta([3, 1], [150, 40], [t for _, _, t in step["generation"]], 8, width)
+    meta = torch.tensor(rows + [[0] * width] * 2, dtype=torch.int32, device=DEVICE)
+    plan = backend.graph_plan(meta, 6, 9, 256, 8, split_chunk=split_chunk)
+    kc, vc = _cache_after_writes(step)
+    q = torch.cat([step["q"], torch.randn(2, 4, 32, device=DEVICE)])  # two padding tokens
+    out = backend.run(plan, q, kc, vc, 32 ** -0.5, 32)
+    torch.testing.assert_close(out[:4], ref, atol=1e-5, rtol=1e-5)
+    assert plan.num_splits == (4 if split_chunk else None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_offset_splits_make_a_row_independent_of_its_step(dtype):
+    """With ``split_chunk`` the query at position p gives the same bits in a decode step
+    (``kv_len = p + 1``) as inside a 4-token verify step (``kv_len = p + 4 - j``): batch invariance."""
+    step = make_step([], [(4, 200)], h=4, hkv=2, d=32, tpb=8, dtype=dtype, seed=6)
+    kc, vc = _cache_after_writes(step)
+    table, backend = step["generation"][0][2], TritonGQABackend()
+
+    def run(q_len, kv_len, q):
+        meta = torch.tensor(backend.pack_meta([q_len], [kv_len], [table], 8, 3 + 32), dtype=torch.int32,
+                            device=DEVICE)
+        return backend.run(backend.graph_plan(meta, q.shape[0], 9, 256, 8, split_chunk=64), q, kc, vc,
+                           32 ** -0.5, 32)
+
+    verify = run(4, 200, step["q"])
+    for j in range(4):
+        assert torch.equal(run(1, 197 + j, step["q"][j:j + 1])[0], verify[j])
+
+
 @needs_kernels
 @pytest.mark.parametrize(("d", "dv"), [(80, 80), (128, 128), (256, 256), (32, 16)])  # 8: the CPU engine test
 def test_head_dims(d, dv):

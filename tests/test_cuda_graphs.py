@@ -1,0 +1,190 @@
+"""CUDA-graph steps: bucketing (pure functions, CPU), and on the GPU replay == eager and strict lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import SamplingParams, SpecEngine
+from specdec.drafters import SuffixAutomatonDrafter
+from specdec.errors import ConfigError
+from specdec.graphs import MIN_KV_BUCKET, GraphKey, GraphPolicy, graph_key, next_pow2, pad_step
+
+HAS_CUDA = torch.cuda.is_available()
+POLICY = GraphPolicy(max_num_seqs=64, max_draft_tokens=8, max_context=8192)
+
+
+# --------------------------------------------------------------------------- buckets (CPU)
+
+
+@pytest.mark.parametrize(("q_lens", "kv_lens", "want"), [
+    ([1], [300], GraphKey(1, 1, 1, 512)),  # decode, batch 1
+    ([5], [40], GraphKey(1, 8, 9, MIN_KV_BUCKET)),  # a verify of 5 tokens: the 9-token kernel, 8 rows
+    ([9], [9000 - 1192], GraphKey(1, 9, 9, 8192)),  # tokens capped at requests x (1 + k)
+    ([1, 1, 1], [10, 20, 30], GraphKey(4, 4, 1, MIN_KV_BUCKET)),
+    ([9, 1, 1], [10, 20, 700], GraphKey(4, 16, 9, 1024)),
+])
+def test_graph_key_buckets(q_lens, kv_lens, want):
+    assert graph_key(POLICY, q_lens, kv_lens) == (want, "")
+
+
+@pytest.mark.parametrize(("q_lens", "kv_lens", "reason"), [
+    ([1] * 65, [5] * 65, "65 requests > max_num_seqs 64"),
+    ([10], [50], "feeds 10 tokens > 1 + max_draft_tokens = 9"),
+    ([1], [8193], "kv_len 8193 > max_context 8192"),
+    ([], [], "no generation requests"),
+])
+def test_graph_key_says_why_a_step_runs_eagerly(q_lens, kv_lens, reason):
+    key, why = graph_key(POLICY, q_lens, kv_lens)
+    assert key is None and reason in why
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 8000)), min_size=1, max_size=64),
+       st.integers(1, 64), st.booleans())
+def test_every_fitting_step_gets_a_bucket_that_holds_it(reqs, max_seqs, invariant):
+    policy = GraphPolicy(max_num_seqs=max_seqs, max_draft_tokens=8, max_context=8192, batch_invariant=invariant)
+    q_lens = [q for q, _ in reqs]
+    kv_lens = [q + extra for q, extra in reqs]
+    key, why = graph_key(policy, q_lens, kv_lens)
+    if len(reqs) > max_seqs or max(kv_lens) > 8192:
+        assert key is None and why
+        return
+    assert why == ""
+    assert key.num_seqs >= len(reqs) and key.num_seqs <= max_seqs
+    assert key.num_tokens >= sum(q_lens) and key.num_tokens <= key.num_seqs * key.max_q_len
+    assert key.max_q_len >= max(q_lens) and key.max_kv_len >= max(kv_lens)
+    if invariant:  # one bucket for every step
+        assert key == GraphKey(max_seqs, max_seqs * 9, 9, 8192)
+    else:  # few buckets: powers of two (or the caps), decode or full verify length
+        assert key.num_seqs in (next_pow2(len(reqs)), max_seqs)
+        assert key.max_q_len in (1, 9)
+        assert key.num_tokens == key.num_seqs * key.max_q_len or key.num_tokens & (key.num_tokens - 1) == 0
+
+
+def test_pad_step_pads_to_the_bucket_and_refuses_overflow():
+    key = GraphKey(2, 4, 9, 256)
+    assert pad_step(key, [5, 6], [10, 11], [40, 41], 999) == ([5, 6, 0, 0], [10, 11, 0, 0], [40, 41, 999, 999])
+    with pytest.raises(ValueError, match="more than its bucket"):
+        pad_step(key, [1] * 5, [0] * 5, [0] * 5, 999)
+
+
+def test_config_validates_graph_settings():
+    from specdec.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="cuda_graphs must be True or False"):
+        EngineConfig(cuda_graphs=1)
+    with pytest.raises(ConfigError, match="batch_invariant=True needs cuda_graphs=True"):
+        EngineConfig(cuda_graphs=False, batch_invariant=True)
+
+
+def test_cpu_steps_run_eagerly_and_say_why(tmp_path):
+    from tests.test_triton_gqa import tiny_llama
+
+    target = tiny_llama(tmp_path, "cpu")
+    engine = SpecEngine(target, SuffixAutomatonDrafter(), tokens_per_block=4)
+    engine.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    stats = engine.runner.stats
+    assert stats["graph_steps"] == 0 and stats["eager_steps"] == engine.timings["steps"]
+    assert stats["eager_reasons"] == {"device is cpu, graphs need cuda": engine.timings["steps"]}
+    off = SpecEngine(target, tokens_per_block=4, cuda_graphs=False)
+    off.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert set(off.runner.stats["eager_reasons"]) == {"cuda_graphs disabled"}
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _generate(target, drafter, prompts, max_new_tokens, **kw):
+    engine = SpecEngine(target, drafter, **kw)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return [o.token_ids for o in outs], engine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+class TestOnGPU:
+    def test_graph_steps_equal_eager_steps_in_fp32(self, tmp_path):
+        from tests.test_triton_gqa import tiny_llama
+
+        target = tiny_llama(tmp_path, "cuda", vocab_size=256, hidden_size=576, intermediate_size=256,
+                            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                            eos_token_id=255)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 255, (n,), generator=g).tolist() for n in (600, 5, 130)] + [[1, 2, 3, 4] * 30]
+        for batch in (prompts[:1], prompts):
+            eager, _ = _generate(target, SuffixAutomatonDrafter(), batch, 40, cuda_graphs=False)
+            graph, engine = _generate(target, SuffixAutomatonDrafter(), batch, 40)
+            null, _ = _generate(target, None, batch, 40)
+            assert graph == eager == null
+            assert engine.runner.stats["graph_steps"] > 0 and engine.runner.stats["graphs_captured"] > 0
+            assert set(engine.runner.stats["eager_reasons"]) <= {"a context phase in the step"}
+
+    def test_replay_equals_eager_in_bf16(self, tmp_path):
+        """One verify step, same inputs: replays are identical, and equal the eager forward up to
+        bf16 rounding (the GEMMs see 4 rows eagerly, the bucket's 8 in the graph)."""
+        from specdec.model_runner import StepInput
+        from specdec.target import load_target
+
+        from tests.test_triton_gqa import tiny_llama
+
+        tiny_llama(tmp_path, "cpu", vocab_size=256, hidden_size=576, intermediate_size=256,
+                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
+        target = load_target(tmp_path, dtype=torch.bfloat16, device="cuda")
+        engine = SpecEngine(target, tokens_per_block=16)
+        req = engine.add_request(list(range(1, 200)), SamplingParams(max_new_tokens=64, ignore_eos=True))
+        engine.step()  # the prompt (eager: a context phase)
+        seq, n = engine._seqs[req], engine._seqs[req].num_cached
+        engine.manager.append(req, 4)
+
+        def step():
+            return StepInput([seq.tokens[-1], 7, 8, 9], list(range(n, n + 4)), engine.manager.slots(req, n, n + 4),
+                             [], [(4, n + 4, tuple(engine.manager.page_table(req)))], [0, 1, 2, 3], True)
+
+        first = engine.runner.execute(step())  # captures, then replays
+        assert first.graph and first.backends == {"generation": "triton_gqa"}
+        logits = first.logits.clone()
+        again = engine.runner.execute(step())
+        assert torch.equal(again.logits, logits) and again.argmax == first.argmax
+        engine.runner._no_graph = "test: eager"
+        eager = engine.runner.execute(step())
+        assert not eager.graph
+        torch.testing.assert_close(logits, eager.logits, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+class TestSmolLM2OnGPU:
+    """The real model on the GPU with graph steps: strict lossless in fp32; in bf16 with batch_invariant."""
+
+    @pytest.fixture(scope="class")
+    def prompts(self):
+        from specdec.prompts import humaneval_prompts
+
+        return humaneval_prompts(range(100, 106))
+
+    @pytest.mark.parametrize("batch", [1, 6])
+    def test_strict_lossless_fp32(self, prompts, batch):
+        from specdec.target import load_target
+
+        target = load_target("smollm2-135m", device="cuda")
+        groups = [[p] for p in prompts[:2]] if batch == 1 else [prompts[:batch]]
+        for group in groups:
+            null, _ = _generate(target, None, group, 96)
+            drafted, engine = _generate(target, SuffixAutomatonDrafter(), group, 96)
+            assert drafted == null
+            assert engine.runner.stats["graph_steps"] > 0
+
+    @pytest.mark.parametrize("batch", [1, 4])
+    def test_bf16_batch_invariant_outputs_equal_the_null_drafters(self, prompts, batch):
+        from specdec.target import load_target
+
+        target = load_target("smollm2-135m", dtype=torch.bfloat16, device="cuda")
+        kw = dict(batch_invariant=True, max_num_seqs=4)
+        null, _ = _generate(target, None, prompts[:batch], 128, **kw)
+        drafted, engine = _generate(target, SuffixAutomatonDrafter(), prompts[:batch], 128, **kw)
+        assert drafted == null
+        assert set(engine.runner.stats["eager_reasons"]) <= {"a context phase in the step"}
