@@ -3,14 +3,22 @@
     python bench/e2e.py --problems 0-99 --max-new-tokens 128            # CPU, fp32
     python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256
 
-Systems (each at batch 1 over the same chat-templated HumanEval prompts, greedy):
-  hf-greedy        transformers generate, greedy
-  hf-prompt-lookup transformers generate with prompt_lookup_num_tokens
-  specdec-<name>   SpecEngine with drafter <name> (default: null and suffix)
+    python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \\
+        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dspark --invariant
 
-Reports tokens/s, target forwards per generated token, mean accepted length
-(tokens per generation step) and, for each system, how many outputs equal
-hf-greedy token for token. Writes a markdown table (and JSON) to --out.
+Systems (over the same chat-templated HumanEval prompts, greedy, per batch size):
+  hf-greedy          transformers generate, greedy (left-padded batches)
+  hf-prompt-lookup   transformers generate with prompt_lookup_num_tokens (batch 1 only)
+  specdec-<name>     SpecEngine with drafter <name> (default: null and suffix)
+  specdec-<name>-invariant   the same with batch_invariant=True (--invariant)
+
+Reports tokens/s, ratios to hf-greedy and to specdec-null, mean accepted
+length, the per-step time breakdown (target forward incl. the one device sync,
+drafter, verify, host), the bytes-read floor of one step (weights + mean KV at
+4.8 TB/s), graph-replayed steps, and how many outputs equal specdec-null's
+(the -invariant rows: specdec-null-invariant's). Each specdec system first
+generates its first batch untimed (compiles kernels, captures graphs).
+Writes a markdown table (and JSON) to --out.
 """
 
 from __future__ import annotations
@@ -39,16 +47,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_hf(model, tok, prompt_ids, args, lookup: int | None):
-    """transformers generate on one prompt at a time; counts forward calls."""
+def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1):
+    """transformers generate, ``batch_size`` prompts at a time (left-padded); counts forward calls."""
     calls = [0]
     handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     outs, t_total = [], 0.0
     eos = tok.eos_token_id
     try:
-        for ids in prompt_ids:
-            x = torch.tensor([ids], device=args.device)
-            kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        for i in range(0, len(prompt_ids), batch_size):
+            group = prompt_ids[i:i + batch_size]
+            width = max(len(ids) for ids in group)
+            x = torch.tensor([[eos] * (width - len(ids)) + ids for ids in group], device=args.device)
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in group], device=args.device)
+            kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+                      attention_mask=mask)
             if lookup:
                 kw["prompt_lookup_num_tokens"] = lookup
             _sync(args.device)
@@ -57,42 +69,72 @@ def run_hf(model, tok, prompt_ids, args, lookup: int | None):
                 y = model.generate(x, **kw)
             _sync(args.device)
             t_total += time.perf_counter() - t0
-            outs.append(y[0, len(ids):].tolist())
+            for row in y[:, width:].tolist():
+                out = []
+                for t in row:  # up to and including the first EOS (later columns are padding)
+                    out.append(t)
+                    if t == eos:
+                        break
+                outs.append(out)
     finally:
         handle.remove()
     tokens = sum(len(o) for o in outs)
     return {"outputs": outs, "time_s": t_total, "tokens": tokens, "forwards": calls[0]}
 
 
-def run_specdec(target, drafter_name, prompt_ids, args):
+def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engine_kw):
     kwargs = {"max_draft_tokens": args.k} if drafter_name == "suffix" else {}
-    engine = SpecEngine(target, make_drafter(drafter_name, **kwargs), max_draft_tokens=args.k)
+    engine = SpecEngine(target, make_drafter(drafter_name, **kwargs), max_draft_tokens=args.k,
+                        max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    engine.generate([prompt_ids[0]], SamplingParams(max_new_tokens=4))  # warm-up
+    # Warm-up, untimed: the first batch in full (compiles kernels, captures most graph buckets).
+    engine.generate(prompt_ids[:batch_size], params)
+    engine.timings.update({k: 0 for k in engine.timings})
+    for k in ("graph_steps", "eager_steps", "graphs_captured", "capture_s"):
+        engine.runner.stats[k] = 0
+    engine.runner.stats["eager_reasons"].clear()
+    engine.runner.stats["backends"].clear()
     outs, t_total = [], 0.0
-    for i in range(0, len(prompt_ids), args.batch_size):
+    for i in range(0, len(prompt_ids), batch_size):
         _sync(args.device)
         t0 = time.perf_counter()
-        outs += engine.generate(prompt_ids[i:i + args.batch_size], params)
+        outs += engine.generate(prompt_ids[i:i + batch_size], params)
         _sync(args.device)
         t_total += time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.stats.accepted_lengths]
+    steps = max(1, engine.timings["steps"])
+    per_step_ms = {k.removesuffix("_s"): 1e3 * v / steps for k, v in engine.timings.items() if k.endswith("_s")}
     return {"outputs": [list(o.token_ids) for o in outs], "time_s": t_total, "tokens": tokens,
             "forwards": sum(o.stats.target_steps for o in outs), "mean_accepted_length": sum(acc) / max(1, len(acc)),
-            "timings": {k: v for k, v in engine.timings.items()}}
+            "steps": engine.timings["steps"], "per_step_ms": per_step_ms, "graphs": engine.graph_stats,
+            "mean_context": sum(len(o.prompt_token_ids) + len(o.token_ids) / 2 for o in outs) / len(outs)}
+
+
+def step_floor_us(target, batch: int, mean_context: float) -> float:
+    """Bytes one target step must read (weights once, each request's KV) over 4.8 TB/s, in µs."""
+    weights = sum(t.numel() * t.element_size() for L in target.layers
+                  for t in (L.w_qkv, L.w_o, L.w_gate_up, L.w_down))
+    weights += target.embed.numel() * target.embed.element_size()  # the tied LM head
+    kv = sum(s.bytes_per_token for s in target.layer_specs()) * batch * mean_context
+    return (weights + kv) / 4.8e12 * 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", default="0-99")
+    ap.add_argument("--hf-problems", default=None, help="HF's prompts at batch 1 (default: --problems)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--k", type=int, default=8, help="max draft tokens per step")
-    ap.add_argument("--batch-size", type=int, default=1, help="specdec batch size")
+    ap.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", default="1",
+                    help="comma-separated batch sizes, e.g. 1,8,32")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
     ap.add_argument("--drafters", default="null,suffix")
+    ap.add_argument("--invariant", action="store_true",
+                    help="also run each drafter with batch_invariant=True (GPU bf16 losslessness study)")
+    ap.add_argument("--no-graphs", action="store_true", help="cuda_graphs=False")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write markdown + JSON here (path without suffix)")
@@ -102,46 +144,81 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     target = load_target("smollm2-135m", dtype=dtype, device=args.device)
     tok = target.tokenizer
-    prompts = humaneval_prompts(parse_range(args.problems))
-    prompt_ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-                  for p in prompts]
-    results = {}
+
+    def encode(problems):
+        return [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+                for p in humaneval_prompts(parse_range(problems))]
+
+    prompt_ids = encode(args.problems)
+    hf_b1_ids = encode(args.hf_problems) if args.hf_problems else prompt_ids
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    results: dict[int, dict[str, dict]] = {b: {} for b in batch_sizes}
     if not args.skip_hf:
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(cache_dir() / "smollm2-135m", dtype=dtype)
         model = model.to(args.device).eval()
         run_hf(model, tok, prompt_ids[:1], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}), None)
-        print("hf-greedy ...", file=sys.stderr, flush=True)
-        results["hf-greedy"] = run_hf(model, tok, prompt_ids, args, None)
-        print("hf-prompt-lookup ...", file=sys.stderr, flush=True)
-        results["hf-prompt-lookup"] = run_hf(model, tok, prompt_ids, args, args.lookup)
+        for b in batch_sizes:
+            ids = hf_b1_ids if b == 1 else prompt_ids
+            print(f"hf-greedy b{b} ...", file=sys.stderr, flush=True)
+            results[b]["hf-greedy"] = run_hf(model, tok, ids, args, None, b)
+            if b == 1:  # prompt lookup in transformers is batch-1 only
+                print("hf-prompt-lookup b1 ...", file=sys.stderr, flush=True)
+                results[b]["hf-prompt-lookup"] = run_hf(model, tok, ids, args, args.lookup, 1)
         del model
-    for name in args.drafters.split(","):
-        print(f"specdec-{name} ...", file=sys.stderr, flush=True)
-        results[f"specdec-{name}"] = run_specdec(target, name, prompt_ids, args)
-    ref = results.get("hf-greedy", results.get("specdec-null"))["outputs"]
-    base_tps = results["hf-greedy"]["tokens"] / results["hf-greedy"]["time_s"] if "hf-greedy" in results else None
-    lines = [f"| system | tokens/s | vs hf-greedy | target forwards / token | mean accepted length | outputs equal to {'hf-greedy' if 'hf-greedy' in results else 'specdec-null'} |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        tps = r["tokens"] / r["time_s"]
-        same = sum(a == b for a, b in zip(r["outputs"], ref))
-        mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
-        ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
-        lines.append(f"| {name} | {tps:.1f} | {ratio} | {r['forwards'] / r['tokens']:.3f} | {mal} | {same}/{len(ref)} |")
+    engine_kw = {"cuda_graphs": False} if args.no_graphs else {}
+    for b in batch_sizes:
+        for name in args.drafters.split(","):
+            print(f"specdec-{name} b{b} ...", file=sys.stderr, flush=True)
+            results[b][f"specdec-{name}"] = run_specdec(target, name, prompt_ids, args, b, **engine_kw)
+            if args.invariant:
+                print(f"specdec-{name}-invariant b{b} ...", file=sys.stderr, flush=True)
+                results[b][f"specdec-{name}-invariant"] = run_specdec(target, name, prompt_ids, args, b,
+                                                                      batch_invariant=True)
     machine = (f"{platform.machine()}, {torch.get_num_threads()} threads" if args.device == "cpu"
                else torch.cuda.get_device_name())
     head = (f"`python bench/e2e.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, {machine}, "
-            f"torch {torch.__version__}, SmolLM2-135M {args.dtype}, HumanEval {args.problems}, "
-            f"{args.max_new_tokens} new tokens, greedy, batch {args.batch_size}")
-    table = head + "\n\n" + "\n".join(lines) + "\n"
+            f"torch {torch.__version__}, SmolLM2-135M {args.dtype}, HumanEval {args.problems}"
+            f"{f' (HF at batch 1: {args.hf_problems})' if args.hf_problems else ''}, "
+            f"{args.max_new_tokens} new tokens, greedy")
+    text = [head, ""]
+    for b in batch_sizes:
+        res = results[b]
+        base = res.get("hf-greedy")
+        base_tps = base["tokens"] / base["time_s"] if base else None
+        null = res.get("specdec-null")
+        null_inv = res.get("specdec-null-invariant")
+        text += [f"### batch {b}", "",
+                 "| system | tokens/s | vs hf-greedy | vs specdec-null | mean accepted length | ms / step: forward"
+                 " / draft / verify / host | floor µs / step | graph steps | outputs equal to null |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in res.items():
+            tps = r["tokens"] / r["time_s"]
+            ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
+            vs_null = f"{tps / (null['tokens'] / null['time_s']):.2f}x" if null and name.startswith("specdec") else "-"
+            mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+            if "per_step_ms" in r:
+                p = r["per_step_ms"]
+                brk = f"{p['forward']:.3f} / {p['draft']:.3f} / {p['verify']:.3f} / {p['host']:.3f}"
+                floor = f"{step_floor_us(target, b, r['mean_context']):.0f}"
+                g = r["graphs"]
+                graphs = f"{g['graph_steps']}/{g['graph_steps'] + g['eager_steps']}"
+            else:
+                brk = floor = graphs = "-"
+            ref = null_inv if name.endswith("-invariant") else null
+            same = (f"{sum(a == c for a, c in zip(r['outputs'], ref['outputs']))}/{len(ref['outputs'])}"
+                    if ref and name.startswith("specdec") else "-")
+            text.append(f"| {name} | {tps:.1f} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
+        text.append("")
+    table = "\n".join(text) + "\n"
     print(table)
     if args.out:
         Path(args.out + ".md").write_text(table)
-        Path(args.out + ".json").write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
-                                                        for k, v in results.items()}, indent=2))
+        Path(args.out + ".json").write_text(json.dumps(
+            {str(b): {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in res.items()}
+             for b, res in results.items()}, indent=2, default=str))
 
 
 if __name__ == "__main__":

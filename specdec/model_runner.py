@@ -50,7 +50,8 @@ class StepResult:
 
     Attributes:
         logits: fp32 logits of ``StepInput.rows``. ``[num_rows, vocab_size]``
-        argmax: their argmax on the host when the step is greedy, else ``None``.
+        argmax: their argmax when the step is greedy, else ``None``: a device tensor
+            after :meth:`ModelRunner.launch`, a host list after :meth:`ModelRunner.finish`.
         hidden: the drafter's target layers, concatenated. ``[num_tokens, L * hidden_size]`` or ``None``
         backends: phase → attention backend that ran it.
         graph: whether a CUDA graph was replayed.
@@ -114,9 +115,20 @@ class ModelRunner:
     def meta_width(self) -> int:
         return 3 + -(-self.target.max_context // self.tpb)
 
-    # -- entry point -----------------------------------------------------------
+    # -- entry points ----------------------------------------------------------
     def execute(self, step: StepInput) -> StepResult:
-        """Run the target over ``step``."""
+        """Run the target over ``step`` and wait for it."""
+        return self.finish(self.launch(step))
+
+    def finish(self, result: StepResult) -> StepResult:
+        """Wait for a launched step: its argmax reaches the host (the step's one synchronisation)."""
+        if isinstance(result.argmax, torch.Tensor):
+            result.argmax = result.argmax.tolist()
+        return result
+
+    def launch(self, step: StepInput) -> StepResult:
+        """Queue the target's forward over ``step`` on the device and return without waiting:
+        ``argmax`` is still a device tensor until :meth:`finish` (host work may run meanwhile)."""
         why = self._no_graph or ("a context phase in the step" if step.context else "")
         key = None
         if not why:
@@ -150,7 +162,7 @@ class ModelRunner:
             rows = hidden if len(step.rows) == len(step.input_ids) else hidden[torch.tensor(step.rows, device=dev)]
             logits = self.target.compute_logits(rows)
             aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
-            argmax = logits.argmax(-1).tolist() if step.greedy else None
+            argmax = logits.argmax(-1) if step.greedy else None
         return StepResult(logits, argmax, aux, attn.backends)
 
     # -- graphs ----------------------------------------------------------------
@@ -163,7 +175,7 @@ class ModelRunner:
             g.graph.replay()
         n = len(step.input_ids)
         logits, argmax, aux = g.outputs
-        return StepResult(logits[:n], argmax[:n].tolist() if step.greedy else None,
+        return StepResult(logits[:n], argmax[:n] if step.greedy else None,
                           None if aux is None else aux[:n], {"generation": g.backend.name}, graph=True)
 
     def _fill(self, g: _Captured, step: StepInput) -> None:

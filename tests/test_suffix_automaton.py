@@ -441,3 +441,17 @@ def test_decode_loop_is_not_quadratic():
     stats = replay(SuffixAutomatonDrafter(), [([1], response)], max_tokens=8)
     assert stats.tokens == len(response)
     assert stats.mean_accepted_length > 8
+
+
+def test_finished_responses_are_indexed_by_overlap():
+    """``stop_request`` only queues a response; ``overlap`` (run by the engine while the device
+    computes a step) indexes it, and a new request flushes the queue first."""
+    drafter = SuffixAutomatonDrafter()
+    drafter.start_request("a", [1, 2, 3])
+    drafter.on_accepted("a", list(range(100, 130)))
+    drafter.stop_request("a")
+    before = drafter._global.num_states
+    drafter.overlap()
+    assert drafter._global.num_states > before
+    drafter.overlap()  # nothing left to do
+    assert drafter._global.num_states > before

@@ -102,6 +102,10 @@ class Drafter:
     def stop_request(self, req_id: str) -> None:
         """Forget a finished or aborted request."""
 
+    def overlap(self) -> None:
+        """Host work that does not need the current step's result, run while the device
+        computes the step (e.g. indexing a finished response). Called once per step."""
+
 
 _REGISTRY: dict[str, type[Drafter]] = {}
 

@@ -112,6 +112,7 @@ def replay(drafter: Drafter, sequences: Sequence[tuple[Sequence[int], Sequence[i
         pos = 0
         while pos < len(response):
             drafts = drafter.propose([req_id], max_tokens)
+            drafter.overlap()  # where the engine calls it: while the target verifies
             if len(drafts) != 1 or len(drafts[0]) > max_tokens:
                 raise SpecDecError(
                     f"drafter {type(drafter).__name__} must return one draft of <= {max_tokens} tokens, got {drafts!r}"

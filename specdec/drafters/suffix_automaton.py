@@ -316,6 +316,7 @@ class SuffixAutomatonDrafter(Drafter):
         self.match_len_factor = float(match_len_factor)
         self._global = SuffixAutomaton() if use_global else None
         self._requests: dict[str, _Request] = {}
+        self._finished: list[list[int]] = []  # responses waiting for overlap() to index them
         for i, doc in enumerate(corpus or ()):
             self._global.add_sequence(_token_list(doc, f"corpus[{i}]", ConfigError))
 
@@ -330,6 +331,7 @@ class SuffixAutomatonDrafter(Drafter):
         prompt = _token_list(prompt_token_ids, "prompt_token_ids", InvalidRequestError)
         matcher = None
         if self._global is not None:
+            self.overlap()  # a new request's matcher starts over every finished response
             matcher = Matcher(self._global)
             matcher.feed_many(prompt)
         self._requests[req_id] = _Request(SuffixAutomaton(prompt), matcher, len(prompt))
@@ -387,8 +389,15 @@ class SuffixAutomatonDrafter(Drafter):
         if req is None or self._global is None:
             return
         response = req.sam.tokens[req.num_prompt :]
-        if response:
+        if response:  # indexed by the next overlap(), while the device runs a step
+            self._finished.append(response)
+
+    def overlap(self) -> None:
+        """Add the responses finished since the last call to the global automaton. The engine
+        calls this while the target computes a step; a new request flushes them first."""
+        for response in self._finished:
             self._global.add_sequence(response)
+        self._finished.clear()
 
     def _get(self, req_id: str) -> _Request:
         req = self._requests.get(req_id)
