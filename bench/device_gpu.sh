@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU machine (after the stage-for-device.sh stashes): GPU tests and the end-to-end tables.
+#   bash bench/device_gpu.sh tests     # GPU tests of graphs, fused kernels, triton_gqa
+#   bash bench/device_gpu.sh specdec   # specdec null/suffix (+ batch-invariant) at batch 1, 8, 32
+#   bash bench/device_gpu.sh hf        # HF generate baselines, then the block drafters
+set -uo pipefail
+. /tmp/stage/env.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+for part in "$@"; do
+  case "$part" in
+    tests)
+      timeout 240 python -m pytest tests/test_cuda_graphs.py tests/test_target_kernels.py tests/test_triton_gqa.py \
+        -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset" -p no:cacheprovider -rs \
+        2>&1 | tail -40 | tee "$OUT/gpu_tests.txt" ;;
+    specdec)
+      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --drafters null,suffix --invariant --skip-hf --out "$OUT/e2e_specdec" 2>&1 | tail -40 ;;
+    hf)
+      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --hf-problems 100-115 \
+        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --out "$OUT/e2e_hf" 2>&1 | tail -40
+      timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 8,32 --drafters null,dflash,dspark --skip-hf --out "$OUT/e2e_block" 2>&1 | tail -30 ;;
+  esac
+done
