@@ -10,12 +10,16 @@ from specdec.drafters.base import (
     register_drafter,
 )
 from specdec.drafters.dflash import BlockDrafter, DFlashDrafter, DSparkDrafter
+from specdec.drafters.dspark_mla import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSparkDrafter
 from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
 
 __all__ = [
     "BlockDrafter",
     "DFlashDrafter",
     "DSparkDrafter",
+    "MLABlockDrafterConfig",
+    "MLABlockDrafterNet",
+    "MLADSparkDrafter",
     "Draft",
     "Drafter",
     "NullDrafter",

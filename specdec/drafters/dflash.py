@@ -11,7 +11,7 @@ the hooks below.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -33,6 +33,8 @@ class BlockDrafter(Drafter):
 
     reads_helix_sharded_ctx_pages = False
 
+    #: The network class it runs (the MLA variant swaps in its own, see ``dspark_mla.py``).
+    net_class: ClassVar[type] = BlockDrafterNet
     #: Shipped checkpoint used when no network is given.
     default_checkpoint: str | None = None
 
@@ -41,7 +43,7 @@ class BlockDrafter(Drafter):
             if self.default_checkpoint is None:
                 raise ConfigError(f"{type(self).__name__} needs a network or a checkpoint path (net=...)")
             net = self.default_checkpoint
-        if not isinstance(net, BlockDrafterNet):
+        if not isinstance(net, self.net_class):
             net = type(self).from_pretrained(net).net
         if self.expected_shift is not None and net.config.shift_label != self.expected_shift:
             raise ConfigError(f"{type(self).__name__} needs shift_label={self.expected_shift}, "
@@ -70,7 +72,7 @@ class BlockDrafter(Drafter):
         if not path.is_dir():
             shipped = sorted(p.name for p in SHIPPED_DIR.iterdir()) if SHIPPED_DIR.is_dir() else []
             raise CheckpointError(f"drafter must be one of {shipped} or a checkpoint directory, got {str(name_or_path)!r}")
-        net = BlockDrafterNet.load(path)
+        net = cls.net_class.load(path)
         return cls(net)
 
     expected_shift: int | None = None
@@ -112,9 +114,10 @@ class BlockDrafter(Drafter):
         ctx = self.net.project_context(hidden)  # [n, hidden]
         pos = torch.arange(start, start + n, device=hidden.device)
         for i in range(self.config.num_layers):
-            k, v = self.net.context_kv(i, ctx, pos)
+            k, v = self.net.context_kv(i, ctx, pos)  # v is None for a K-only (latent) layer
             self.kv.k(i).index_copy_(0, slots, k.to(self.kv.k(i).dtype))
-            self.kv.v(i).index_copy_(0, slots, v.to(self.kv.v(i).dtype))
+            if v is not None:
+                self.kv.v(i).index_copy_(0, slots, v.to(self.kv.v(i).dtype))
         self._ctx_len[req_id] = start + n
 
     def on_accepted(self, req_id: str, token_ids: Sequence[int]) -> None:
@@ -141,7 +144,8 @@ class BlockDrafter(Drafter):
         # the anchor sits right after the written context
         positions = torch.tensor(ctx_lens, device=dev)[:, None] + torch.arange(B, device=dev)
         gather, valid = self._gather_index(req_ids, ctx_lens, dev)
-        ctx_kv = [(self.kv.k(i)[gather], self.kv.v(i)[gather]) for i in range(c.num_layers)]
+        ctx_kv = [(self.kv.k(i)[gather], None if self.kv.v(i) is None else self.kv.v(i)[gather])
+                  for i in range(c.num_layers)]
         h = self.net.forward_block(self._embed[ids], positions, ctx_kv, valid)  # [N, B, hidden]
         slots = list(self._slots)[:max_tokens]
         logits = torch.nn.functional.linear(h[:, slots], self._lm_head)  # [N, width, vocab]

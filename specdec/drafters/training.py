@@ -172,7 +172,7 @@ def block_loss(net: BlockDrafterNet, embed: torch.Tensor, lm_head: torch.Tensor,
     ctx_kv = []
     for i in range(c.num_layers):
         k, v = net.context_kv(i, ctx, pos.expand(len(seq_ids), -1))
-        ctx_kv.append((k[owner_t], v[owner_t]))
+        ctx_kv.append((k[owner_t], None if v is None else v[owner_t]))  # v None: K-only latent layers
     valid = pos[None, :] < anchor_t[:, None]  # block sees context strictly before its anchor
     ids = torch.tensor(blocks, device=dev)
     h = net.forward_block(embed[ids].to(ctx.dtype), anchor_t[:, None] + torch.arange(B, device=dev), ctx_kv, valid)
