@@ -121,14 +121,17 @@ def make_pool(q_lens, kv_lens, *, tpb, d, kv_dtype, device, seed=0):
 
 
 def run_case(h, q_lens, kv_lens, *, tpb, lat=32, rope=16, q_dtype=F32, kv_dtype=F32, config=None,
-             device=None, seed=0):
+             device=None, seed=0, head_gain=None):
     """``triton_mla`` vs ``torch_ref`` (fp32, dequantised cache) on one generation phase."""
     device = device or ("cpu" if INTERPRET else "cuda")
     d = lat + rope
     batch, cache, deq, kv_scale = make_pool(q_lens, kv_lens, tpb=tpb, d=d, kv_dtype=kv_dtype, device=device,
                                             seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(sum(q_lens), h, d, generator=g).to(device=device, dtype=q_dtype)
+    q = torch.randn(sum(q_lens), h, d, generator=g)
+    if head_gain is not None:  # per-head magnitudes, e.g. beyond fp16's range or far below 1
+        q = q * torch.tensor(head_gain, dtype=torch.float32).repeat(h)[:h, None]
+    q = q.to(device=device, dtype=q_dtype)
     scale = d**-0.5 * 1.3  # explicit, not the default
     backend = TritonMLABackend(config or TritonMLAConfig())
     out = backend.run(backend.plan(batch), q, cache, None, scale, lat, kv_scale=kv_scale)
@@ -259,32 +262,37 @@ def test_plan_builds_padded_int32_tables_once():
     assert plan.page_table.dtype == torch.int32 and plan.page_table.tolist() == [[7, 3, 9], [4, 0, 0], [0, 2, 5]]
     assert plan.kv_lens.tolist() == [33, 16, 40] and plan.kv_lens.dtype == torch.int32
     assert plan.q_start.tolist() == [0, 1, 5] and plan.q_lens.tolist() == [1, 4, 2]
-    assert (plan.num_seqs, plan.num_tokens, plan.max_q_len, plan.max_kv_len) == (3, 7, 4, 40)
-    assert plan.num_splits == 3 and plan.block_n == 16
+    assert (plan.num_seqs, plan.num_tokens, plan.max_q_len, plan.max_kv_len, plan.num_sms) == (3, 7, 4, 40, 1)
+    launch = TritonMLABackend(TritonMLAConfig(num_splits=3, block_n=16)).launch_config(plan, 4)
+    assert (launch.num_splits, launch.block_n, launch.block_m, launch.row_blocks) == (3, 16, 16, 1)
     with pytest.raises(ValueError, match="q_len=5, kv_len=4"):
         TritonMLABackend().plan(PhaseBatch((5,), (4,), ((0,),), 16, torch.device("cpu")))
-    with pytest.raises(ValueError, match="block_n=64 must divide tokens_per_block=32"):
-        TritonMLABackend(TritonMLAConfig(block_n=64)).plan(PhaseBatch((1,), (4,), ((0,),), 32, torch.device("cpu")))
 
 
-def test_automatic_splits_follow_the_batch():
-    cfg = TritonMLAConfig(waves=64, min_split_tokens=256)  # 64 programs on the interpreter's "1 SM"
-    backend = TritonMLABackend(cfg)
+def test_default_launch_follows_the_rows():
+    plan = TritonMLABackend().plan(PhaseBatch((4,), (300,), ((0, 1, 2, 3, 4),), 64, torch.device("cpu")))
+    backend = TritonMLABackend()
+    assert backend.launch_config(plan, 4).block_m == 16  # 16 rows
+    assert backend.launch_config(plan, 8).block_m == 32
+    big = backend.launch_config(plan, 96)
+    assert (big.block_m, big.row_blocks, big.block_n, big.num_warps) == (64, 6, 64, 8)
+    assert backend.launch_config(plan, 96, kv_bytes=1, fp8_with_bf16_q=True).fp16_dots
+    assert not TritonMLABackend(TritonMLAConfig(fp8_dots="bf16")).launch_config(
+        plan, 96, kv_bytes=1, fp8_with_bf16_q=True).fp16_dots
+
+
+def test_automatic_splits_minimise_the_makespan():
+    # One request: split as far as min_split_tokens allows when the device has room.
+    assert triton_mla.choose_splits(1, 1, 32768, 132, min_split_tokens=256, max_splits=64, block_n=64) == 64
+    assert triton_mla.choose_splits(1, 1, 300, 132, min_split_tokens=256, max_splits=64, block_n=64) == 1
+    # 64 requests on 264 slots: 4 splits fill one wave; 5 (the old 2-waves target) would need two.
+    assert triton_mla.choose_splits(64, 1, 32768, 264, min_split_tokens=256, max_splits=64, block_n=64) == 4
+    # Rows alone fill the device: no split.
+    assert triton_mla.choose_splits(64, 8, 8192, 132, min_split_tokens=256, max_splits=64, block_n=64) in (1, 2)
+    backend = TritonMLABackend(TritonMLAConfig(ctas_per_sm=64 // 64 * 8, min_split_tokens=256))
     long_one = backend.plan(PhaseBatch((1,), (32768,), (tuple(range(512)),), 64, torch.device("cpu")))
-    assert long_one.num_splits == 64  # one request: split until the device is full
-    assert backend.launch_config(long_one, 16) == (16, 1, 64, 4)
-    assert backend.launch_config(long_one, 128)[1:3] == (2, 32)  # 2 row blocks: half the splits
-    short = backend.plan(PhaseBatch((1,), (300,), ((0, 1, 2, 3, 4),), 64, torch.device("cpu")))
-    assert short.num_splits == 2  # at least 256 keys per split
-    many = backend.plan(PhaseBatch((1,) * 64, (8192,) * 64, ((0,) * 128,) * 64, 64, torch.device("cpu")))
-    assert many.num_splits == 1
-
-
-@pytest.mark.parametrize(("field", "value"), [("num_splits", 0), ("min_split_tokens", 0), ("waves", 0.0),
-                                              ("block_m", 128), ("block_n", 8), ("num_warps", 3), ("num_stages", 0)])
-def test_config_validation_names_the_field(field, value):
-    with pytest.raises(ConfigError, match=f"TritonMLAConfig.{field}"):
-        TritonMLAConfig(**{field: value})
+    assert backend.launch_config(long_one, 16).num_splits == 8  # 8 slots on the interpreter's "1 SM"
+    assert triton_mla.resident_ctas(64, 64, 2, 2) == 1 and triton_mla.resident_ctas(16, 32, 2, 2) == 2
 
 
 def test_a_separate_v_cache_is_an_error():
@@ -312,7 +320,14 @@ KERNEL_CASES = {
                                                                config=TritonMLAConfig(num_splits=2))),
     "h96-verify-p32-blockm16": (96, (2,), (40,), dict(tpb=32, config=TritonMLAConfig(num_splits=2, block_m=16,
                                                                                         block_n=16))),
-    "h16-auto-splits": (16, (1, 3), (70, 50), dict(tpb=16, config=TritonMLAConfig(waves=4, min_split_tokens=16))),
+    "h16-auto-splits": (16, (1, 3), (70, 50), dict(tpb=16, config=TritonMLAConfig(ctas_per_sm=4, min_split_tokens=16))),
+    "h16-tile-spans-pages": (16, (2, 1), (70, 33), dict(tpb=16, config=TritonMLAConfig(num_splits=2, block_n=64))),
+    "h96-bf16-fp8-fp16dots-bn32-p16": (96, (2, 1), (50, 17), dict(tpb=16, q_dtype=BF16, kv_dtype=FP8,
+                                                                   config=TritonMLAConfig(block_n=32, num_splits=2))),
+    "h16-bf16-fp8-fp16dots-wide-range": (16, (2, 1), (40, 20), dict(tpb=16, q_dtype=BF16, kv_dtype=FP8,
+                                                                     head_gain=(1.0, 2.0**16, 2.0**-12, 3e4))),
+    "h16-bf16-fp8-bf16dots": (16, (2, 4), (100, 40), dict(tpb=32, q_dtype=BF16, kv_dtype=FP8,
+                                                         config=TritonMLAConfig(fp8_dots="bf16", num_splits=2))),
     "real-576-bf16-split2": (16, (2, 1), (20, 5), dict(tpb=16, lat=512, rope=64, q_dtype=BF16, kv_dtype=BF16,
                                                        config=TritonMLAConfig(num_splits=2))),
     "real-576-fp8": (16, (1, 4), (9, 33), dict(tpb=64, lat=512, rope=64, kv_dtype=FP8)),

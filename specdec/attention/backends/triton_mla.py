@@ -108,6 +108,7 @@ def _mla_stage1(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -132,6 +133,21 @@ def _mla_stage1(
     q_row = Q + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M] pointers
     q_lat = tl.load(q_row[:, None] + offs_lat[None, :], mask=row_ok[:, None], other=0.0)
     q_rope = tl.load(q_row[:, None] + LAT + offs_rope[None, :], mask=row_ok[:, None], other=0.0)
+    row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale  # score scale per row (log2 units)
+    if FP16_DOTS:
+        # FP8 cache: the dots run in fp16 (e4m3 -> fp16 is one hardware conversion per two values and
+        # exact; e4m3 -> bf16 costs three). The queries move to fp16 exactly: each row is scaled by a
+        # power of two that puts its largest |value| in [2^14, 2^15) (bf16 has 8 significant bits,
+        # fp16 11, so every value >= 2^-10 of the row's largest is exact), and the scores are scaled back.
+        amax = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), 1), tl.max(tl.abs(q_rope.to(tl.float32)), 1))
+        expo = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)); amax = 0: -127
+        expo = tl.minimum(tl.maximum(tl.where(amax > 0.0, expo - 14, 0), -100), 100)
+        up = (127 - expo).to(tl.int32) << 23  # 2^-expo as fp32 bits (normal: |expo| <= 100)
+        down = (127 + expo).to(tl.int32) << 23  # 2^expo
+        q_lat = (q_lat.to(tl.float32) * up.to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        q_rope = (q_rope.to(tl.float32) * up.to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        row_scale = row_scale * down.to(tl.float32, bitcast=True)
+    dot_dtype = q_lat.dtype
 
     # This program's keys: its split's chunk, cut at the last key any of its rows sees.
     chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
@@ -145,15 +161,19 @@ def _mla_stage1(
     for start in range(lo, hi, BLOCK_N):
         keys = start + offs_n
         key_ok = keys < kv_len  # never read past the request's cache: pad slots may hold NaN
-        page = tl.load(PageTable + seq * stride_pt + start // TPB).to(tl.int64)
-        slot = page * TPB + (start % TPB) + offs_n  # [BLOCK_N], one page per tile
+        if BLOCK_N <= TPB:  # the tile lies in one page: one page-table lookup
+            page = tl.load(PageTable + seq * stride_pt + start // TPB).to(tl.int64)
+            slot = page * TPB + (start % TPB) + offs_n  # [BLOCK_N]
+        else:  # the tile spans BLOCK_N // TPB pages: a page per key
+            page = tl.load(PageTable + seq * stride_pt + keys // TPB, mask=key_ok, other=0).to(tl.int64)
+            slot = page * TPB + keys % TPB
         kv_row = KV + slot * stride_kv
-        k_lat = tl.load(kv_row[:, None] + offs_lat[None, :], mask=key_ok[:, None], other=0.0).to(q_lat.dtype)
-        k_rope = tl.load(kv_row[:, None] + LAT + offs_rope[None, :], mask=key_ok[:, None], other=0.0).to(q_lat.dtype)
+        k_lat = tl.load(kv_row[:, None] + offs_lat[None, :], mask=key_ok[:, None], other=0.0).to(dot_dtype)
+        k_rope = tl.load(kv_row[:, None] + LAT + offs_rope[None, :], mask=key_ok[:, None], other=0.0).to(dot_dtype)
 
         s = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         s = tl.dot(q_lat, tl.trans(k_lat), s, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        s = tl.where(keys[None, :] <= last_key[:, None], s * qk_scale, float("-inf"))
+        s = tl.where(keys[None, :] <= last_key[:, None], s * row_scale[:, None], float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
@@ -161,7 +181,7 @@ def _mla_stage1(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=DOT_PRECISION)  # V = latent part
+        acc = tl.dot(p.to(dot_dtype), k_lat, acc, input_precision=DOT_PRECISION)  # V = latent part
         m_i = m_new
 
     acc = acc * v_scale
@@ -225,40 +245,102 @@ INTERPRET: bool = is_interpreted(_mla_stage1)
 class TritonMLAConfig:
     """Launch choices of :class:`TritonMLABackend` (speed only; never correctness).
 
+    ``None`` fields are chosen per launch by :meth:`TritonMLABackend.launch_config`
+    from the query rows of a request (``rows = max_q_len * H``) and the cache dtype.
+
     Attributes:
-        num_splits: fixed KV splits per request; ``None`` chooses from the batch.
+        num_splits: fixed KV splits per request; ``None``: the split count that
+            minimises the modelled makespan (:func:`choose_splits`).
         min_split_tokens: automatic splitting keeps at least this many keys per split.
-        waves: automatic splitting aims at ``waves * num_SMs`` stage-1 programs.
-        block_m: query rows per program (16, 32 or 64); ``None``: the smallest
-            power of two >= ``q_len * H``, at most 64.
-        block_n: KV tokens per tile; must divide the page size; ``None``: min(page, 32).
+        max_splits: automatic splitting uses at most this many splits.
+        ctas_per_sm: stage-1 programs resident per SM, for the makespan model;
+            ``None``: :func:`resident_ctas` (shared-memory estimate).
+        block_m: query rows per program (16, 32 or 64); ``None``: 16 / 32 / 64
+            for up to 16 / 32 / more rows.
+        block_n: KV tokens per tile (16..128, any page size); ``None``: 64.
         num_warps: ``None``: 4 for ``block_m = 16``, else 8.
-        num_stages: software-pipelining depth of the KV loop.
+        num_stages: software-pipelining depth of the KV loop; ``None``: 2.
+        fp8_dots: with an FP8 cache and bf16 queries, the dtype of the dots:
+            ``"fp16"`` (cache and queries converted exactly, see the kernel) or
+            ``"bf16"`` (the cache converted to bf16, three conversions per two values).
     """
 
     num_splits: int | None = None
     min_split_tokens: int = 256
-    waves: float = 2.0
+    max_splits: int = 64
+    ctas_per_sm: int | None = None
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None
+    fp8_dots: str = "fp16"
 
     def __post_init__(self) -> None:
         if self.num_splits is not None and self.num_splits < 1:
             raise ConfigError(f"TritonMLAConfig.num_splits must be >= 1 or None, got {self.num_splits}")
         if self.min_split_tokens < 1:
             raise ConfigError(f"TritonMLAConfig.min_split_tokens must be >= 1, got {self.min_split_tokens}")
-        if self.waves <= 0:
-            raise ConfigError(f"TritonMLAConfig.waves must be > 0, got {self.waves}")
+        if self.max_splits < 1:
+            raise ConfigError(f"TritonMLAConfig.max_splits must be >= 1, got {self.max_splits}")
+        if self.ctas_per_sm is not None and not 1 <= self.ctas_per_sm <= 32:
+            raise ConfigError(f"TritonMLAConfig.ctas_per_sm must be in 1..32 or None, got {self.ctas_per_sm}")
         if self.block_m is not None and self.block_m not in (16, 32, 64):
             raise ConfigError(f"TritonMLAConfig.block_m must be 16, 32 or 64, got {self.block_m}")
         if self.block_n is not None and self.block_n not in (16, 32, 64, 128):
             raise ConfigError(f"TritonMLAConfig.block_n must be 16, 32, 64 or 128, got {self.block_n}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ConfigError(f"TritonMLAConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
-        if self.num_stages < 1:
+        if self.num_stages is not None and self.num_stages < 1:
             raise ConfigError(f"TritonMLAConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.fp8_dots not in ("fp16", "bf16"):
+            raise ConfigError(f"TritonMLAConfig.fp8_dots must be 'fp16' or 'bf16', got {self.fp8_dots!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TritonMLALaunch:
+    """Resolved launch parameters of one ``run`` (see :meth:`TritonMLABackend.launch_config`)."""
+
+    block_m: int
+    block_n: int
+    row_blocks: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    fp16_dots: bool
+
+
+def resident_ctas(block_m: int, block_n: int, num_stages: int, kv_bytes: int, latent: int = 512,
+                  rope: int = 64, smem: int = 227 * 1024) -> int:
+    """Stage-1 programs an SM holds at once, from a shared-memory estimate (sm90: 227 KB per SM).
+
+    The KV tile is staged ``num_stages`` times plus one converted copy when it is not 16-bit;
+    64-row blocks (wgmma) also keep the queries in shared memory. Offline sm90 compiles
+    (512 + 64) agree within ~10 %; registers allow 2 programs of 4 warps, 1 of 8 at 64 rows.
+    """
+    d = latent + rope
+    tile = block_n * d * 2
+    need = num_stages * block_n * d * kv_bytes + (tile if kv_bytes != 2 else 0) + (block_m * d * 2 if block_m >= 64 else 0)
+    return max(1, min(2 if block_m < 64 else 1, smem // max(need, 1)))
+
+
+def choose_splits(num_seqs: int, row_blocks: int, max_kv_len: int, slots: int, *, min_split_tokens: int,
+                  max_splits: int, block_n: int, overhead_tokens: int = 128) -> int:
+    """Split count minimising the modelled makespan of stage 1.
+
+    ``slots`` programs run at once; a split of ``c`` keys costs ``c + overhead_tokens``
+    (queries loaded, partials written and merged). The makespan of ``s`` splits is
+    ``ceil(num_seqs * row_blocks * s / slots) * (ceil(max_kv_len / s) + overhead_tokens)``:
+    it counts the partial last wave that a fixed ``programs = waves * SMs`` target ignores.
+    Ties go to fewer splits (less merge traffic).
+    """
+    cap = max(1, min(max_splits, max_kv_len // min_split_tokens))
+    best, best_cost = 1, None
+    for s in range(1, cap + 1):
+        chunk = -(-(-(-max_kv_len // s)) // block_n) * block_n
+        cost = -(-(num_seqs * row_blocks * s) // slots) * (chunk + overhead_tokens)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,10 +354,7 @@ class TritonMLAPlan:
         q_lens: ``[num_seqs]`` int32
         num_seqs, num_tokens, max_q_len, max_kv_len: host copies for the launch.
         tokens_per_block: page size.
-        block_n: KV tile (divides the page size).
-        num_splits: most KV splits per request (``run`` may use fewer when the
-            query rows alone fill the GPU).
-        target_programs: stage-1 programs that fill the device.
+        num_sms: SMs of the device (1 on the interpreter).
     """
 
     page_table: torch.Tensor
@@ -287,9 +366,7 @@ class TritonMLAPlan:
     max_q_len: int
     max_kv_len: int
     tokens_per_block: int
-    block_n: int
-    num_splits: int
-    target_programs: int
+    num_sms: int
 
 
 class TritonMLABackend(AttentionBackend):
@@ -372,13 +449,10 @@ class TritonMLABackend(AttentionBackend):
     # ------------------------------------------------------------------ plan / run
 
     def plan(self, batch: PhaseBatch) -> TritonMLAPlan:
-        """Upload the phase's page tables and lengths; choose the tile and split counts."""
+        """Upload the phase's page tables and lengths (the launch is chosen per layer by ``run``)."""
         tpb, dev = batch.tokens_per_block, batch.device
         if tpb not in TOKENS_PER_BLOCK:
             raise ValueError(f"triton_mla: tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {tpb}")
-        block_n = self.config.block_n or min(tpb, 32)
-        if tpb % block_n:
-            raise ValueError(f"triton_mla: block_n={block_n} must divide tokens_per_block={tpb}")
         num_seqs = len(batch.q_lens)
         pages = [-(-kv // tpb) for kv in batch.kv_lens]
         max_pages = max(pages)
@@ -389,12 +463,6 @@ class TritonMLABackend(AttentionBackend):
             rows.append(list(pt[:n]) + [0] * (max_pages - n))
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
         q_start = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
-        target = max(1, math.ceil(self.config.waves * self._num_sms(dev)))
-        max_kv = max(batch.kv_lens)
-        if self.config.num_splits is not None:
-            splits = self.config.num_splits
-        else:
-            splits = max(1, min(-(-target // num_seqs), -(-max_kv // self.config.min_split_tokens)))
         return TritonMLAPlan(
             page_table=torch.tensor(rows, dtype=torch.int32).to(dev),
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32).to(dev),
@@ -403,25 +471,33 @@ class TritonMLABackend(AttentionBackend):
             num_seqs=num_seqs,
             num_tokens=batch.num_tokens,
             max_q_len=max(batch.q_lens),
-            max_kv_len=max_kv,
+            max_kv_len=max(batch.kv_lens),
             tokens_per_block=tpb,
-            block_n=block_n,
-            num_splits=splits,
-            target_programs=target,
+            num_sms=self._num_sms(dev),
         )
 
-    def launch_config(self, plan: TritonMLAPlan, num_heads: int) -> tuple[int, int, int, int]:
-        """``(block_m, row_blocks, num_splits, num_warps)`` for ``num_heads`` query heads."""
+    def launch_config(self, plan: TritonMLAPlan, num_heads: int, *, kv_bytes: int = 2,
+                      fp8_with_bf16_q: bool = False) -> TritonMLALaunch:
+        """The launch for ``num_heads`` query heads over a cache of ``kv_bytes`` bytes per value.
+
+        Host integers only (no device synchronisation). ``fp8_with_bf16_q``: an FP8 cache read
+        by bf16 queries, where ``config.fp8_dots`` picks the dot dtype.
+        """
+        cfg = self.config
         rows = plan.max_q_len * num_heads
-        block_m = self.config.block_m or min(64, max(16, triton.next_power_of_2(rows)))
+        block_m = cfg.block_m or (16 if rows <= 16 else 32 if rows <= 32 else 64)
+        block_n = cfg.block_n or 64
+        num_warps = cfg.num_warps or (4 if block_m <= 16 else 8)
+        num_stages = cfg.num_stages or 2
         row_blocks = triton.cdiv(rows, block_m)
-        splits = plan.num_splits
-        if self.config.num_splits is None:  # rows already fill the device: fewer partials to merge
-            splits = max(1, min(splits, triton.cdiv(plan.target_programs, plan.num_seqs * row_blocks)))
-        # sm90, 512+64 dims, BLOCK_N 32 (ptxas -v): 16 rows x 4 warps 180 regs, 32 x 8 166 regs, no spills;
-        # 64 x 8 (wgmma) 255 regs with ~100 B of spills; 32 x 4 and 64 x 16 spill more.
-        num_warps = self.config.num_warps or (4 if block_m <= 16 else 8)
-        return block_m, row_blocks, splits, num_warps
+        if cfg.num_splits is not None:
+            splits = cfg.num_splits
+        else:
+            ctas = cfg.ctas_per_sm or resident_ctas(block_m, block_n, num_stages, kv_bytes)
+            splits = choose_splits(plan.num_seqs, row_blocks, plan.max_kv_len, plan.num_sms * ctas,
+                                   min_split_tokens=cfg.min_split_tokens, max_splits=cfg.max_splits, block_n=block_n)
+        return TritonMLALaunch(block_m, block_n, row_blocks, splits, num_warps, num_stages,
+                               fp8_with_bf16_q and cfg.fp8_dots == "fp16")
 
     def run(
         self,
@@ -463,14 +539,17 @@ class TritonMLABackend(AttentionBackend):
             q = q.contiguous()
         if k_cache.stride(-1) != 1:
             raise ValueError("triton_mla: k_cache must be contiguous in its last dimension")
-        block_m, row_blocks, splits, num_warps = self.launch_config(plan, num_heads)
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        launch = self.launch_config(plan, num_heads, kv_bytes=k_cache.element_size(),
+                                    fp8_with_bf16_q=fp8 and q.dtype == torch.bfloat16)
+        splits = launch.num_splits
         out = q.new_empty(num_tokens, num_heads, v_head_dim)
         if splits > 1:
             o_part = torch.empty(num_tokens, num_heads, splits, v_head_dim, dtype=torch.float32, device=q.device)
             lse_part = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
         else:
             o_part = lse_part = out  # unused
-        _mla_stage1[(row_blocks, splits, plan.num_seqs)](
+        _mla_stage1[(launch.row_blocks, splits, plan.num_seqs)](
             q, k_cache, out, o_part, lse_part,
             plan.page_table, plan.kv_lens, plan.q_start, plan.q_lens,
             scale * kv_scale * _LOG2E, kv_scale,
@@ -479,12 +558,13 @@ class TritonMLABackend(AttentionBackend):
             LAT=v_head_dim,
             ROPE=head_dim - v_head_dim,
             TPB=plan.tokens_per_block,
-            BLOCK_M=block_m,
-            BLOCK_N=plan.block_n,
+            BLOCK_M=launch.block_m,
+            BLOCK_N=launch.block_n,
             SPLIT=splits > 1,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=num_warps,
-            num_stages=self.config.num_stages,
+            FP16_DOTS=launch.fp16_dots,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
         )  # fmt: skip
         if splits > 1:
             block_h = min(16, triton.next_power_of_2(num_heads))
