@@ -22,6 +22,7 @@ kernel-limit refusals are shown to fail when forced.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -429,16 +430,19 @@ def test_cpu_suite_under_the_interpreter():  # ~20 s
 
 
 def test_bench_smoke_runs_on_cpu(tmp_path):
-    """``bench/mla_decode.py --smoke``: the benchmark's own logic, one tiny shape, under the interpreter."""
+    """``bench/mla_decode.py --smoke --sweep``: the benchmark's own logic (sweep, grid, checks, outputs), tiny
+    shapes, under the interpreter."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "mla_decode.py")
-    out = tmp_path / "smoke.md"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, bench, "--smoke", "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, bench, "--smoke", "--sweep", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    table = out.read_text()
-    assert "| H | q_len |" in table and table.count("| 16 | 2 |") == 4
-    assert (tmp_path / "smoke.csv").read_text().startswith("H,q_len,batch,context,page,kv,splits")
+    table = (tmp_path / "grid.md").read_text()
+    assert "| H | q_len |" in table and table.count("| 16 | 2 |") == 4 and "0 mismatches" in table
+    grid = json.loads((tmp_path / "grid.json").read_text())
+    assert len(grid["rows"]) == 4 and all(r["checked"] and r["splits"] == 2 for r in grid["rows"])
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert set(sweep["winners"]) == {f"{c}/{kv}" for c in ("rows<=32", "rows<=64", "rows>64") for kv in ("bf16", "fp8")}
 
 
 # --------------------------------------------------------------------------- GPU

@@ -309,18 +309,18 @@ class TritonMLALaunch:
     fp16_dots: bool
 
 
-def resident_ctas(block_m: int, block_n: int, num_stages: int, kv_bytes: int, latent: int = 512,
-                  rope: int = 64, smem: int = 227 * 1024) -> int:
+def resident_ctas(block_m: int, block_n: int, num_stages: int, kv_bytes: int, num_warps: int = 4,
+                  latent: int = 512, rope: int = 64, smem: int = 227 * 1024) -> int:
     """Stage-1 programs an SM holds at once, from a shared-memory estimate (sm90: 227 KB per SM).
 
     The KV tile is staged ``num_stages`` times plus one converted copy when it is not 16-bit;
     64-row blocks (wgmma) also keep the queries in shared memory. Offline sm90 compiles
-    (512 + 64) agree within ~10 %; registers allow 2 programs of 4 warps, 1 of 8 at 64 rows.
+    (512 + 64) agree within ~10 %. Registers (180..255 per thread) allow 2 programs of 4 warps, 1 of 8.
     """
     d = latent + rope
     tile = block_n * d * 2
     need = num_stages * block_n * d * kv_bytes + (tile if kv_bytes != 2 else 0) + (block_m * d * 2 if block_m >= 64 else 0)
-    return max(1, min(2 if block_m < 64 else 1, smem // max(need, 1)))
+    return max(1, min(2 if num_warps <= 4 else 1, smem // max(need, 1)))
 
 
 def choose_splits(num_seqs: int, row_blocks: int, max_kv_len: int, slots: int, *, min_split_tokens: int,
@@ -486,14 +486,17 @@ class TritonMLABackend(AttentionBackend):
         cfg = self.config
         rows = plan.max_q_len * num_heads
         block_m = cfg.block_m or (16 if rows <= 16 else 32 if rows <= 32 else 64)
-        block_n = cfg.block_n or 64
-        num_warps = cfg.num_warps or (4 if block_m <= 16 else 8)
+        # Offline sm90 compiles (512 + 64, ptxas): bf16 16 rows x 64 keys x 4 warps: 189 registers, 94 KB;
+        # FP8 16 rows: 32 keys x 8 warps, 214 registers (4 warps spill); 64 rows: 8 warps, 64 keys (221 KB bf16).
+        fp8_small = kv_bytes == 1 and block_m < 64
+        block_n = cfg.block_n or (32 if fp8_small else 64)
+        num_warps = cfg.num_warps or (4 if block_m <= 16 and not fp8_small else 8)
         num_stages = cfg.num_stages or 2
         row_blocks = triton.cdiv(rows, block_m)
         if cfg.num_splits is not None:
             splits = cfg.num_splits
         else:
-            ctas = cfg.ctas_per_sm or resident_ctas(block_m, block_n, num_stages, kv_bytes)
+            ctas = cfg.ctas_per_sm or resident_ctas(block_m, block_n, num_stages, kv_bytes, num_warps)
             splits = choose_splits(plan.num_seqs, row_blocks, plan.max_kv_len, plan.num_sms * ctas,
                                    min_split_tokens=cfg.min_split_tokens, max_splits=cfg.max_splits, block_n=block_n)
         return TritonMLALaunch(block_m, block_n, row_blocks, splits, num_warps, num_stages,
