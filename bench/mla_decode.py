@@ -228,7 +228,6 @@ class Bench:
         visible = q_len * context - q_len * (q_len - 1) // 2  # keys seen by the q_len causal verify tokens
         flops = 2 * h * visible * (d + self.latent) * batch
         t_mem, t_flop = total_bytes / HBM_BYTES_PER_S, flops / DENSE_BF16_FLOPS
-        del q, plan
         return dict(H=h, q_len=q_len, batch=batch, context=context, page=page, kv=kv, config=label, splits=splits,
                     block_m=launch.block_m, block_n=launch.block_n, row_blocks=launch.row_blocks,
                     time_us=seconds * 1e6, GB_s=total_bytes / seconds / 1e9, TFLOP_s=flops / seconds / 1e12,

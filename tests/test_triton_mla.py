@@ -296,6 +296,14 @@ def test_automatic_splits_minimise_the_makespan():
     assert triton_mla.resident_ctas(64, 64, 2, 2) == 1 and triton_mla.resident_ctas(16, 32, 2, 2) == 2
 
 
+@pytest.mark.parametrize(("field", "value"), [("num_splits", 0), ("min_split_tokens", 0), ("max_splits", 0),
+                                              ("ctas_per_sm", 0), ("block_m", 128), ("block_n", 8), ("num_warps", 3),
+                                              ("num_stages", 0), ("fp8_dots", "fp32")])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"TritonMLAConfig.{field}"):
+        TritonMLAConfig(**{field: value})
+
+
 def test_a_separate_v_cache_is_an_error():
     batch = PhaseBatch((1,), (4,), ((0,),), 16, torch.device("cpu"))
     backend = TritonMLABackend()

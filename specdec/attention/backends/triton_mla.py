@@ -17,12 +17,12 @@ Stage 1, ``_mla_stage1``, grid ``(row_blocks, num_splits, num_seqs)``:
   tile lies in one page: one page-table lookup per tile). Each tile is loaded
   once per program and used twice: ``[BLOCK_M, latent+rope] x [latent+rope, BLOCK_N]``
   for the scores and its latent part ``[BLOCK_N, latent]`` as V.
-* *block sizes* (defaults; :class:`TritonMLAConfig` overrides): ``BLOCK_M``
-  = the smallest of 16/32/64 covering ``q_len * H`` (4 warps at 16 rows,
-  8 otherwise; 64 rows use Hopper wgmma), ``BLOCK_N = min(page, 32)``, two
-  pipeline stages. Offline sm90 compiles (512 + 64, ``ptxas -v``): 16 and 32
-  rows fit in registers; 64 rows use 255 registers with ~100 B of spills and
-  ~147 KB of shared memory.
+* *block sizes* (defaults; :class:`TritonMLAConfig` overrides each): ``BLOCK_M``
+  = 16 / 32 / 64 for up to 16 / 32 / more rows (64 rows use Hopper wgmma, 8
+  warps); ``BLOCK_N`` = 64 keys (32 for FP8 caches with fewer than 64 rows);
+  two pipeline stages. A tile may span pages (one page-table lookup per key
+  when ``BLOCK_N`` exceeds the page). ``bench/mla_decode.py --sweep`` times
+  the alternatives on an H200.
 * *KV reads*: each KV tile of a request is read by ``cdiv(q_len * H, BLOCK_M)``
   programs (the row blocks of that request): exactly once when
   ``q_len * H <= 64`` (H = 16 with ``q_len`` <= 4, H = 48/64 decode), else
@@ -33,7 +33,9 @@ Stage 1, ``_mla_stage1``, grid ``(row_blocks, num_splits, num_seqs)``:
 * *causal*: query ``i`` of a request with ``q_len`` tokens and ``kv_len``
   cached tokens sees keys ``0 .. kv_len - q_len + i``. A program stops at the
   last key any of its rows can see.
-* *split-KV*: the ``num_splits`` programs of a (request, row block) each cover
+* *split-KV*: the split count minimises a makespan model (:func:`choose_splits`:
+  whole waves of resident programs x keys per split). The ``num_splits``
+  programs of a (request, row block) each cover
   a chunk of ``cdiv(cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N`` tokens.
   With one split the program writes the final output; with several, each
   writes a normalised partial output and its log-sum-exp (base 2, fp32), and
@@ -41,8 +43,13 @@ Stage 1, ``_mla_stage1``, grid ``(row_blocks, num_splits, num_seqs)``:
 
 Numerics: scores and the output accumulate in fp32 (``exp2`` online softmax).
 KV tiles are converted to the query dtype before the dots (the torch reference
-does the same); FP8 E4M3 caches are exact in bf16/fp32, and their per-tensor
-``kv_scale`` is folded into the score scale and applied once to the output.
+does the same), except FP8 E4M3 caches with bf16 queries, whose dots run in
+fp16 by default (``fp8_dots``): E4M3 -> fp16 is exact and one hardware
+conversion per two values (-> bf16 costs three, which made FP8 slower than
+bf16); each query row is scaled by a power of two into fp16's range (exact for
+every value >= 2^-10 of the row's largest) and its scores scaled back; P is
+rounded to fp16 (finer than bf16). The per-tensor ``kv_scale`` is folded into
+the score scale and applied once to the output.
 fp32 queries (interpreter tests) use IEEE fp32 dots.
 
 ``supports`` states the limits; see :meth:`TritonMLABackend.supports`.
@@ -50,7 +57,6 @@ fp32 queries (interpreter tests) use IEEE fp32 dots.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -313,13 +319,18 @@ def resident_ctas(block_m: int, block_n: int, num_stages: int, kv_bytes: int, nu
                   latent: int = 512, rope: int = 64, smem: int = 227 * 1024) -> int:
     """Stage-1 programs an SM holds at once, from a shared-memory estimate (sm90: 227 KB per SM).
 
-    The KV tile is staged ``num_stages`` times plus one converted copy when it is not 16-bit;
-    64-row blocks (wgmma) also keep the queries in shared memory. Offline sm90 compiles
-    (512 + 64) agree within ~10 %. Registers (180..255 per thread) allow 2 programs of 4 warps, 1 of 8.
+    Fitted to offline sm90 compiles (512 + 64, ``ptxas``): 64-row blocks (wgmma) keep the
+    queries and ``num_stages`` KV tiles in shared memory (bf16 32 keys x 2 stages: 147 KB;
+    64 x 2: 221 KB); smaller blocks about ``num_stages - 1`` tiles + 20 KB (bf16 16 rows,
+    32 keys: 56 KB; 64 keys: 94 KB), plus a 16-bit copy of an FP8 tile. Registers (180..255
+    per thread) allow 2 programs of 4 warps, 1 of 8.
     """
     d = latent + rope
-    tile = block_n * d * 2
-    need = num_stages * block_n * d * kv_bytes + (tile if kv_bytes != 2 else 0) + (block_m * d * 2 if block_m >= 64 else 0)
+    tile = block_n * d * kv_bytes
+    if block_m >= 64:
+        need = num_stages * tile + block_m * d * 2
+    else:
+        need = max(1, num_stages - 1) * tile + (block_n * d * 2 if kv_bytes != 2 else 0) + 20 * 1024
     return max(1, min(2 if num_warps <= 4 else 1, smem // max(need, 1)))
 
 
