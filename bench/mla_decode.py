@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="48-shape grid")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes under TRITON_INTERPRET=1")
     p.add_argument("--out", help="output directory (default: print the tables)")
-    p.add_argument("--budget-s", type=float, default=430.0, help="stop starting new grid shapes after this")
+    p.add_argument("--budget-s", type=float, default=280.0, help="stop starting new grid shapes after this")
     p.add_argument("--sweep-budget-s", type=float, default=170.0, help="stop starting new sweep configs after this")
     p.add_argument("--reps", type=int, default=7, help="timed calls per shape (median)")
     p.add_argument("--check-every", type=int, default=6, help="check every N-th small grid shape vs torch_ref")
