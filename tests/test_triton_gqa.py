@@ -45,6 +45,9 @@ from specdec.errors import UnsupportedShapeError  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = triton_gqa.INTERPRETED
+# Triton 3.6's interpreter bugs are fixed for this module's tests (see triton_interp); supports()
+# refuses interpreted shapes while they are present (test_supports_refuses_a_broken_interpreter).
+pytestmark = pytest.mark.usefixtures("fixed_triton_interpreter")
 # Kernels built for the GPU run on it; kernels built for the interpreter run on the CPU.
 DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
 RUNNABLE = INTERPRETED or HAS_CUDA
@@ -186,6 +189,21 @@ def test_supports_the_gpu_shapes_it_claims(overrides):
     assert TritonGQABackend().supports(shape).ok
     assert select(shape).name == "triton_gqa"  # the cheapest supporting backend on the GPU
     assert TritonGQABackend().cost(shape) < selector.get_backend("torch_ref").cost(shape)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="only the interpreter has these bugs")
+def test_supports_refuses_a_broken_interpreter():
+    from specdec.attention.backends import triton_interp
+
+    triton_interp.unfix_interpreter()
+    try:
+        bugs = triton_interp.interpreter_bugs()
+        verdict = TritonGQABackend().supports(gqa(device="cpu", sm=None))  # bf16: loops and bf16 dots
+        assert verdict.ok == (not bugs)
+        if bugs:
+            assert "interpreter" in verdict.reason and "triton_interp" in verdict.reason
+    finally:
+        triton_interp.fix_interpreter()
 
 
 def test_cpu_only_under_the_interpreter():

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
+from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.errors import ConfigError
 
@@ -171,45 +172,8 @@ def _merge_splits_kernel(
     tl.store(O + tok * stride_ot + head * stride_oh + dv * stride_od, out.to(O.dtype.element_ty), mask=dv < V_DIM)
 
 
-def _kernels_interpreted() -> bool:
-    """Whether Triton built the kernels for its CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_gqa_attn_kernel, InterpretedFunction)
-
-
-def _fix_interpreter() -> None:
-    """Make Triton's CPU interpreter compute what the GPU computes (called only when interpreting).
-
-    Two interpreter bugs, not kernel bugs, in Triton 3.6 (both fixes are no-ops where the bug is gone):
-
-    - with numpy >= 2.4, ``range`` bounds held in tensors fail, ``int()`` of a 1-element
-      array being refused (triton-lang/triton#9171, fixed upstream the same way);
-    - ``tl.dot`` multiplies bfloat16 operands as their raw uint16 bits; upcasting first
-      gives the exact bf16 products that tensor cores accumulate in fp32.
-    """
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_specdec_fixed", False):
-        return
-    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
-
-    def patch_lang_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def dot(self, a, b, d, *args):
-        a = self.cast_impl(a, tl.float32) if a.dtype.scalar == tl.bfloat16 else a
-        b = self.cast_impl(b, tl.float32) if b.dtype.scalar == tl.bfloat16 else b
-        return create_dot(self, a, b, d, *args)
-
-    interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot = patch_lang_tensor, dot
-    interpreter._specdec_fixed = True
-
-
-INTERPRETED = _kernels_interpreted()
-if INTERPRETED:
-    _fix_interpreter()
+# Built for Triton's CPU interpreter (TRITON_INTERPRET=1 when this module was imported) or for the GPU.
+INTERPRETED = is_interpreted(_gqa_attn_kernel)
 
 
 def pack_meta(q_lens, kv_lens, page_tables, tokens_per_block: int, width: int) -> list[list[int]]:
@@ -292,7 +256,8 @@ class TritonGQABackend(AttentionBackend):
         a power of two in 1..256; ``q_dtype == kv_dtype`` in fp16/bf16/fp32;
         ``helix_cp == 1``; device ``cuda`` with ``sm >= 80``, or ``cpu`` only
         when Triton built the kernels for its interpreter (``TRITON_INTERPRET=1``
-        when this module was imported). Any ``max_q_len``, mixed or not.
+        when this module was imported) and that interpreter lacks the bugs of
+        :mod:`~specdec.attention.backends.triton_interp` (tests fix them). Any ``max_q_len``, mixed or not.
         """
         if shape.kind != "gqa":
             return no(f"kind must be 'gqa', got {shape.kind!r}")
@@ -314,7 +279,9 @@ class TritonGQABackend(AttentionBackend):
                 return no(f"needs a cuda GPU with sm >= {MIN_SM}, got sm={shape.sm}")
             return YES
         if shape.device == "cpu" and INTERPRETED:
-            return YES
+            # Triton 3.6's interpreter has bugs that would give wrong answers (triton_interp).
+            refusal = interpreter_refusal(loops=True, bf16_dot=shape.q_dtype == "bfloat16")
+            return no(refusal) if refusal else YES
         return no(f"device must be 'cuda' (or 'cpu' with TRITON_INTERPRET=1 set before import), got {shape.device!r}")
 
     def cost(self, shape: AttnShape) -> float:
