@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu')"
 
 import triton  # noqa: E402
 
-from specdec.target.kernels import add_rms_norm_, rope_, silu_mul  # noqa: E402
+from specdec.target.kernels import add_rms_norm_, rope_, rope_write_kv_, silu_mul  # noqa: E402
 from specdec.target.llama import apply_rope, rms_norm  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -80,6 +80,26 @@ def test_rope_rotates_q_and_k_heads_and_leaves_v(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv_equals_rope_then_cache_writes(dtype):
+    T, H, Hkv, D, slots_total = 5, 4, 2, 16, 40
+    qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype)
+    positions = torch.tensor([3, 4, 5, 6, 7], device=DEVICE)
+    slots = torch.tensor([17, 2, 33, 8, 9], device=DEVICE)
+    emb = torch.outer(torch.arange(16).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+    emb = torch.cat((emb, emb), -1)
+    cos, sin = emb.cos().to(dtype=dtype, device=DEVICE), emb.sin().to(dtype=dtype, device=DEVICE)
+    want_qkv = rope_(qkv.clone(), H + Hkv, D, cos, sin, positions)
+    q, k, v = want_qkv.split([H * D, Hkv * D, Hkv * D], -1)
+    kc, vc = randn(slots_total, Hkv, D, dtype=dtype, seed=7), randn(slots_total, Hkv, D, dtype=dtype, seed=8)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want_kc[slots], want_vc[slots] = k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+    got_q = rope_write_kv_(qkv, H, Hkv, D, cos, sin, positions, slots, kc, vc)
+    assert torch.equal(got_q, q.reshape(T, H, D))
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)  # other slots untouched
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 1536, 40])
 def test_silu_mul_matches_torch(dtype, inter):
     gu = randn(3, 2 * inter, dtype=dtype)
@@ -90,8 +110,10 @@ def test_silu_mul_matches_torch(dtype, inter):
 
 
 @needs_kernels
-def test_fused_llama_forward_matches_the_plain_one(tmp_path):
-    """The whole decoder: fused kernels (GPU path) vs plain PyTorch, fp32, over a context + verify step."""
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_fused_llama_forward_matches_the_plain_one(tmp_path, kv_dtype):
+    """The whole decoder: fused kernels (GPU path) vs plain PyTorch, fp32, over a context + verify step,
+    with a cache of the compute dtype (fused cache write) and an FP8 cache (attend writes)."""
     import transformers
 
     from specdec.attention.metadata import plan_step
@@ -106,7 +128,7 @@ def test_fused_llama_forward_matches_the_plain_one(tmp_path):
     results = []
     for fused in (False, True):
         target.fused = fused
-        pool, mgr = KVPool(target.layer_specs(), 8, 4, device=DEVICE), KVCacheManager(8, 4)
+        pool, mgr = KVPool(target.layer_specs(kv_dtype), 8, 4, device=DEVICE), KVCacheManager(8, 4)
         out = []
         for chunk in ([3, 5, 7, 9, 11], [13, 2, 4]):  # context, then a 3-token verify
             start = mgr.length("r") if "r" in mgr else 0
@@ -116,7 +138,8 @@ def test_fused_llama_forward_matches_the_plain_one(tmp_path):
             phase = ([(len(chunk), start + len(chunk), tuple(mgr.page_table("r")))], [])
             ctx, gen = phase if start == 0 else phase[::-1]
             slots = torch.tensor(mgr.slots("r", start, start + len(chunk)), device=DEVICE)
-            attn = plan_step(ctx, gen, slots, lambda p, q, m: target.attn_shape(p, q, 4, m), 4, "torch_ref")
+            attn = plan_step(ctx, gen, slots, lambda p, q, m: target.attn_shape(p, q, 4, m, kv_dtype=kv_dtype), 4,
+                             "torch_ref")
             with torch.inference_mode():
                 hidden, captured = target.forward(torch.tensor(chunk, device=DEVICE),
                                                   torch.arange(start, start + len(chunk), device=DEVICE),

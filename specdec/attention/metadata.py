@@ -52,7 +52,8 @@ class AttentionMetadata:
         Args:
             q: ``[num_tokens, num_heads, head_dim]`` (E4M3 allowed with ``q_scale``).
             k: ``[num_tokens, num_kv_heads, head_dim]``; E4M3 (already divided by
-                ``kv_scale``) is written as is into an E4M3 cache.
+                ``kv_scale``) is written as is into an E4M3 cache. ``None``: the caller
+                already stored this step's K/V at ``slot_mapping`` (a fused kernel).
             v: ``[num_tokens, num_kv_heads, v_head_dim]`` or ``None`` (K-only layer).
             k_cache, v_cache: the layer's pool tensors (``v_cache`` None when K-only).
             kv_scale: per-tensor scale of an FP8 cache (1.0 otherwise).
@@ -65,10 +66,11 @@ class AttentionMetadata:
         Raises:
             FP8InputError: K and V of different dtypes, or E4M3 inputs for a non-FP8 cache.
         """
-        k, v = prepare_kv(k, v, k_cache.dtype, kv_scale)
-        _write(k_cache, self.slot_mapping, k)
-        if v_cache is not None:
-            _write(v_cache, self.slot_mapping, v)
+        if k is not None:
+            k, v = prepare_kv(k, v, k_cache.dtype, kv_scale)
+            _write(k_cache, self.slot_mapping, k)
+            if v_cache is not None:
+                _write(v_cache, self.slot_mapping, v)
         if q.dtype == E4M3 or q_scale is not None:
             q = prepare_q(q, q_scale, compute_dtype or (torch.bfloat16 if q.dtype == E4M3 else q.dtype))
         extra = {"kv_scale": kv_scale} if kv_scale != 1.0 else {}

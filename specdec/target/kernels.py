@@ -9,6 +9,7 @@ those round:
 - ``add_rms_norm_``: ``x += delta`` (rounded to ``x``'s dtype, as a bf16 add is),
   then ``weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)``;
 - ``rope_``: ``x * cos + rotate_half(x) * sin`` in fp32, rounded once;
+  ``rope_write_kv_`` does the same to Q and K and stores K and V at their cache slots;
 - ``silu_mul``: ``silu(gate)`` rounded to the dtype (as ``F.silu`` on bf16 is),
   times ``up``, rounded.
 
@@ -59,6 +60,42 @@ def _rope_kernel(X, COS, SIN, POS, stride_t, stride_c, HEAD_DIM: tl.constexpr, H
     s2 = tl.load(SIN + pos * stride_c + HALF + d, mask=ok, other=0.0).to(tl.float32)
     tl.store(base + d, (x1 * c1 - x2 * s1).to(X.dtype.element_ty), mask=ok)
     tl.store(base + HALF + d, (x2 * c2 + x1 * s2).to(X.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_write_kv_kernel(X, COS, SIN, POS, SLOTS, KC, VC, stride_t, stride_c, stride_ks, stride_kh,
+                          stride_vs, stride_vh, num_heads, num_kv_heads,
+                          HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    # program (token, head): heads [0, H) are Q (rotated in place), [H, H + Hkv) K (rotated,
+    # stored in the cache), [H + Hkv, H + 2 Hkv) V (stored in the cache)
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < HALF
+    base = X + tok * stride_t + head * HEAD_DIM
+    x1 = tl.load(base + d, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + d, mask=ok, other=0.0)
+    slot = tl.load(SLOTS + tok).to(tl.int64)
+    if head >= num_heads + num_kv_heads:
+        dst = VC + slot * stride_vs + (head - num_heads - num_kv_heads) * stride_vh
+        tl.store(dst + d, x1.to(VC.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + d, x2.to(VC.dtype.element_ty), mask=ok)
+    else:
+        pos = tl.load(POS + tok).to(tl.int64)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        c1 = tl.load(COS + pos * stride_c + d, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + pos * stride_c + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + pos * stride_c + d, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + pos * stride_c + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        o1 = (a1 * c1 - a2 * s1).to(X.dtype.element_ty)
+        o2 = (a2 * c2 + a1 * s2).to(X.dtype.element_ty)
+        if head < num_heads:
+            tl.store(base + d, o1, mask=ok)
+            tl.store(base + HALF + d, o2, mask=ok)
+        else:
+            dst = KC + slot * stride_ks + (head - num_heads) * stride_kh
+            tl.store(dst + d, o1.to(KC.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF + d, o2.to(KC.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -116,6 +153,33 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
         _rope_kernel[(n, num_heads)](x, cos, sin, positions, x.stride(0), cos.stride(0),
                                      HEAD_DIM=head_dim, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
     return x
+
+
+def rope_write_kv_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                   sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE on Q (in place) and K, then K and V stored at their cache slots: one kernel.
+
+    Args:
+        qkv: the fused QKV output ``[num_tokens, (H + 2 Hkv) * D]``, last dim contiguous.
+        num_heads, num_kv_heads, head_dim: H, Hkv, D.
+        cos, sin: tables ``[max_positions, D]``.
+        positions: ``[num_tokens]`` absolute positions.
+        slots: ``[num_tokens]`` cache slots.
+        k_cache, v_cache: the layer's cache ``[num_slots, Hkv, D]`` (same dtype as ``qkv``;
+            FP8 caches take the unfused path, which quantizes).
+
+    Returns:
+        the rotated queries, a view of ``qkv`` ``[num_tokens, H, D]``.
+    """
+    n = qkv.shape[0]
+    if n:
+        half = head_dim // 2
+        _rope_write_kv_kernel[(n, num_heads + 2 * num_kv_heads)](
+            qkv, cos, sin, positions, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), num_heads, num_kv_heads,
+            HEAD_DIM=head_dim, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

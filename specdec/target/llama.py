@@ -253,9 +253,9 @@ class LlamaTarget:
         return x, captured
 
     def _forward_fused(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
-        """The same decoder with fused norm / RoPE / SiLU kernels and each residual add
-        folded into the next norm: about eleven kernels per layer, no host synchronisation."""
-        from specdec.target.kernels import add_rms_norm_, rope_, silu_mul
+        """The same decoder with fused norm / RoPE+cache-write / SiLU kernels and each residual
+        add folded into the next norm: about nine kernels per layer, no host synchronisation."""
+        from specdec.target.kernels import add_rms_norm_, rope_, rope_write_kv_, silu_mul
 
         c = self.config
         T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -269,10 +269,15 @@ class LlamaTarget:
                 q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
                 qkv = torch.cat([rms_norm(q.view(T, H, D), L.q_norm, eps).view(T, H * D),
                                  rms_norm(k.view(T, Hkv, D), L.k_norm, eps).view(T, Hkv * D), v], -1)
-            rope_(qkv, H + Hkv, D, self._cos, self._sin, positions)  # Q heads then K heads, in place
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            o = attn.attend(q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D), pool.k[i], pool.v[i], self.scale, D,
-                            kv_scale=pool.specs[i].kv_scale)
+            kc, vc = pool.k[i], pool.v[i]
+            if kc.dtype == qkv.dtype:  # RoPE and the cache write in one kernel; attend only reads
+                q = rope_write_kv_(qkv, H, Hkv, D, self._cos, self._sin, positions, attn.slot_mapping, kc, vc)
+                o = attn.attend(q, None, None, kc, vc, self.scale, D)
+            else:  # an FP8 cache: attend quantizes what it writes
+                rope_(qkv, H + Hkv, D, self._cos, self._sin, positions)  # Q heads then K heads, in place
+                q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+                o = attn.attend(q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D), kc, vc, self.scale, D,
+                                kv_scale=pool.specs[i].kv_scale)
             h = add_rms_norm_(x, F.linear(o.reshape(T, H * D), L.w_o), L.norm_post, eps)
             delta = F.linear(silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
             if i in wanted:
