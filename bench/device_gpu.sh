@@ -2,7 +2,9 @@
 # On the GPU machine (after the stage-for-device.sh stashes): GPU tests and the end-to-end tables.
 #   bash bench/device_gpu.sh tests     # GPU tests of graphs, fused kernels, triton_gqa
 #   bash bench/device_gpu.sh specdec   # specdec null/suffix (+ batch-invariant) at batch 1, 8, 32
-#   bash bench/device_gpu.sh hf        # HF generate baselines, then the block drafters
+#   bash bench/device_gpu.sh hf        # HF generate baselines (batch 1 on 100-107: HF is slow there)
+#   bash bench/device_gpu.sh block     # the block drafters at batch 8 and 32
+#   bash bench/device_gpu.sh mla       # triton_mla: config sweep, then the 720-shape grid
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,9 +19,13 @@ for part in "$@"; do
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix --invariant --skip-hf --out "$OUT/e2e_specdec" 2>&1 | tail -40 ;;
     hf)
-      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --hf-problems 100-115 \
-        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --out "$OUT/e2e_hf" 2>&1 | tail -40
+      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --hf-problems 100-107 \
+        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --out "$OUT/e2e_hf" 2>&1 | tail -40 ;;
+    block)
       timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 8,32 --drafters null,dflash,dspark --skip-hf --out "$OUT/e2e_block" 2>&1 | tail -30 ;;
+    mla)
+      timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \
+        --budget-s "${MLA_GRID_S:-240}" --out "$OUT/mla" 2>&1 | tail -60 ;;
   esac
 done
