@@ -92,6 +92,19 @@ class Drafter:
             hidden: ``[n, len(target_layer_ids) * hidden_size]``, the chosen layers concatenated.
         """
 
+    def on_contexts(self, spans: Sequence[tuple[str, int, int, int]], hidden: "torch.Tensor") -> None:
+        """Many requests' newly accepted positions at once (the engine calls this once per step).
+
+        Args:
+            spans: ``(req_id, start, row, n)``: ``hidden[row : row + n]`` are the request's
+                positions ``start .. start + n - 1``.
+            hidden: ``[num_tokens, len(target_layer_ids) * hidden_size]``.
+
+        The default calls :meth:`on_context` per request; drafters that can batch override it.
+        """
+        for req_id, start, row, n in spans:
+            self.on_context(req_id, start, hidden[row:row + n])
+
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
         """Propose up to ``max_tokens`` tokens for each request (``[] `` drafts allowed)."""
         return [EMPTY_DRAFT for _ in req_ids]

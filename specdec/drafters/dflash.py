@@ -106,19 +106,33 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def on_context(self, req_id: str, start: int, hidden: torch.Tensor) -> None:
-        if req_id not in self._tokens:
-            raise InvalidRequestError(f"unknown request {req_id!r}")
-        n = hidden.shape[0]
-        self.kv.reserve(req_id, start + n)
-        slots = torch.tensor(self.kv.slots(req_id, start, start + n), device=hidden.device)
-        ctx = self.net.project_context(hidden)  # [n, hidden]
-        pos = torch.arange(start, start + n, device=hidden.device)
+        self.on_contexts([(req_id, start, 0, hidden.shape[0])], hidden)
+
+    @torch.inference_mode()
+    def on_contexts(self, spans, hidden: torch.Tensor) -> None:
+        """Write every request's new context K/V in one pass per layer (one gather, one
+        projection, one write per layer for the whole step, whatever the batch)."""
+        rows, slots, pos = [], [], []
+        for req_id, start, row, n in spans:
+            if req_id not in self._tokens:
+                raise InvalidRequestError(f"unknown request {req_id!r}")
+            self.kv.reserve(req_id, start + n)
+            rows += range(row, row + n)
+            slots += self.kv.slots(req_id, start, start + n)
+            pos += range(start, start + n)
+            self._ctx_len[req_id] = start + n
+        if not rows:
+            return
+        dev = hidden.device
+        picked = hidden if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1 else \
+            hidden[torch.tensor(rows, device=dev)]
+        ctx = self.net.project_context(picked)  # [n, hidden]
+        slots_t, pos_t = torch.tensor(slots, device=dev), torch.tensor(pos, device=dev)
         for i in range(self.config.num_layers):
-            k, v = self.net.context_kv(i, ctx, pos)  # v is None for a K-only (latent) layer
-            self.kv.k(i).index_copy_(0, slots, k.to(self.kv.k(i).dtype))
+            k, v = self.net.context_kv(i, ctx, pos_t)  # v is None for a K-only (latent) layer
+            self.kv.k(i).index_copy_(0, slots_t, k.to(self.kv.k(i).dtype))
             if v is not None:
-                self.kv.v(i).index_copy_(0, slots, v.to(self.kv.v(i).dtype))
-        self._ctx_len[req_id] = start + n
+                self.kv.v(i).index_copy_(0, slots_t, v.to(self.kv.v(i).dtype))
 
     def on_accepted(self, req_id: str, token_ids: Sequence[int]) -> None:
         if req_id not in self._tokens:
