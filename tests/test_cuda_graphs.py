@@ -124,7 +124,7 @@ class TestOnGPU:
 
     def test_replay_equals_eager_in_bf16(self, tmp_path):
         """One verify step, same inputs: replays are identical, and equal the eager forward up to
-        bf16 rounding (the GEMMs see 4 rows eagerly, the bucket's 8 in the graph)."""
+        bf16 rounding (the GEMMs see 5 rows eagerly, the bucket's 8 in the graph)."""
         from specdec.model_runner import StepInput
         from specdec.target import load_target
 
@@ -137,11 +137,11 @@ class TestOnGPU:
         req = engine.add_request(list(range(1, 200)), SamplingParams(max_new_tokens=64, ignore_eos=True))
         engine.step()  # the prompt (eager: a context phase)
         seq, n = engine._seqs[req], engine._seqs[req].num_cached
-        engine.manager.append(req, 4)
+        engine.manager.append(req, 5)
 
         def step():
-            return StepInput([seq.tokens[-1], 7, 8, 9], list(range(n, n + 4)), engine.manager.slots(req, n, n + 4),
-                             [], [(4, n + 4, tuple(engine.manager.page_table(req)))], [0, 1, 2, 3], True)
+            return StepInput([seq.tokens[-1], 7, 8, 9, 10], list(range(n, n + 5)), engine.manager.slots(req, n, n + 5),
+                             [], [(5, n + 5, tuple(engine.manager.page_table(req)))], [0, 1, 2, 3, 4], True)
 
         first = engine.runner.execute(step())  # captures, then replays
         assert first.graph and first.backends == {"generation": "triton_gqa"}
