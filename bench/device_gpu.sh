@@ -14,7 +14,9 @@ for part in "$@"; do
     tests)
       timeout 240 python -m pytest tests/test_cuda_graphs.py tests/test_target_kernels.py tests/test_triton_gqa.py \
         -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset" -p no:cacheprovider -rs \
-        2>&1 | tail -40 | tee "$OUT/gpu_tests.txt" ;;
+        2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+      timeout 200 python -m pytest tests/test_triton_mla.py -m gpu -p no:cacheprovider -rs -x \
+        2>&1 | tail -15 | tee "$OUT/gpu_tests_mla.txt" ;;
     specdec)
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix --invariant --skip-hf --out "$OUT/e2e_specdec" 2>&1 | tail -40 ;;
