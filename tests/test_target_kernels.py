@@ -20,7 +20,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu')"
 
 import triton  # noqa: E402
 
-from specdec.target.kernels import add_rms_norm_, rope_, rope_write_kv_, silu_mul  # noqa: E402
+from specdec.target.kernels import (add_rms_norm_, fused_linear, qkv_rope_write_kv, rope_,  # noqa: E402
+                                    rope_write_kv_, silu_mul)
 from specdec.target.llama import apply_rope, rms_norm  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -29,6 +30,8 @@ DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
 needs_kernels = pytest.mark.skipif(not (INTERPRETED or HAS_CUDA),
                                    reason="no GPU; test_cpu_interpreter_suite runs these with TRITON_INTERPRET=1")
 DTYPES = [torch.float32, torch.bfloat16]
+# the GEMM kernels loop over runtime bounds and dot bf16 tiles: Triton's interpreter needs its fixes
+pytestmark = pytest.mark.usefixtures("fixed_triton_interpreter")
 
 
 def randn(*shape, dtype, seed=0):
@@ -109,11 +112,104 @@ def test_silu_mul_matches_torch(dtype, inter):
     torch.testing.assert_close(silu_mul(gu), want, **tol)
 
 
+def tables(D, n, dtype):
+    emb = torch.outer(torch.arange(n).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+    emb = torch.cat((emb, emb), -1)
+    return emb.cos().to(dtype=dtype, device=DEVICE), emb.sin().to(dtype=dtype, device=DEVICE)
+
+
+def tol_for(dtype, want=None):
+    """fp32: tight. bf16: a few ulps of the output's scale (the interpreter rounds bf16 toward zero at
+    every step, so cancelling sums drift further there than on the GPU)."""
+    if dtype == torch.float32:
+        return dict(atol=1e-4, rtol=1e-4)
+    scale = 1.0 if want is None else float(want.float().abs().max())
+    return dict(atol=4e-2 * scale, rtol=4e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("mode", ["plain", "norm", "silu_mul", "residual", "norm_fp32_out", "norm_one_pass",
+                                  "silu_mul_one_pass"])
+def test_fused_linear_matches_the_unfused_layers(dtype, m, mode):
+    k, n = (100, 40) if mode != "norm_fp32_out" else (72, 300)
+    cfg = {"one_pass": mode.endswith("one_pass"), "block_k": 32 if mode.endswith("one_pass") else 64}
+    mode = mode.removesuffix("_one_pass")
+    x = randn(m, k, dtype=dtype, seed=1) * 0.5
+    w = randn(2 * n if mode == "silu_mul" else n, k, dtype=dtype, seed=2) * 0.1
+    nw = randn(k, dtype=dtype, seed=3)
+    if mode == "plain":
+        want, got = F.linear(x, w), fused_linear(x, w)
+    elif mode == "norm":
+        want, got = F.linear(rms_norm(x, nw, 1e-5), w), fused_linear(x, w, norm_weight=nw, eps=1e-5, config=cfg)
+    elif mode == "silu_mul":
+        gate, up = F.linear(rms_norm(x, nw, 1e-5), w).chunk(2, -1)
+        want, got = F.silu(gate) * up, fused_linear(x, w, norm_weight=nw, eps=1e-5, silu_mul=True, config=cfg)
+    elif mode == "residual":  # in place, as the decoder's O and down projections run
+        xs = randn(m, k, dtype=dtype, seed=4)
+        w = randn(k, k, dtype=dtype, seed=5) * 0.1
+        want = xs + F.linear(x, w)
+        got = fused_linear(x, w, residual=xs, out=xs)
+        assert got.data_ptr() == xs.data_ptr()
+    else:  # the LM head: norm, bf16 GEMM rounded, fp32 logits
+        want = F.linear(rms_norm(x, nw, 1e-5), w).float()
+        got = fused_linear(x, w, norm_weight=nw, eps=1e-5, out_dtype=torch.float32)
+        assert got.dtype == torch.float32
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, **tol_for(dtype, want))
+
+
+def test_fused_linear_rejects_a_weight_of_the_wrong_width():
+    with pytest.raises(ValueError, match="does not fit"):
+        fused_linear(torch.zeros(2, 8), torch.zeros(4, 6))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_linear_rows_do_not_depend_on_the_batch(dtype):
+    """A row computed alone equals the same row inside a 37-row step, bit for bit."""
+    x = randn(37, 96, dtype=dtype, seed=1) * 0.5
+    w = randn(2 * 48, 96, dtype=dtype, seed=2) * 0.1
+    nw = randn(96, dtype=dtype, seed=3)
+    full = fused_linear(x, w, norm_weight=nw, silu_mul=True)
+    for r in (0, 16, 36):
+        assert torch.equal(fused_linear(x[r:r + 1].contiguous(), w, norm_weight=nw, silu_mul=True), full[r:r + 1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,bias,config", [(16, False, None), (64, True, None),
+                                           (64, False, {"head_split": 1, "one_pass": True})])
+def test_qkv_rope_write_kv_equals_norm_gemm_rope_and_cache_writes(dtype, D, bias, config):
+    T, H, Hkv, hidden, slots_total = 5, 4, 2, 80, 40
+    x = randn(T, hidden, dtype=dtype, seed=1)
+    w = randn((H + 2 * Hkv) * D, hidden, dtype=dtype, seed=2) * 0.1
+    b = randn((H + 2 * Hkv) * D, dtype=dtype, seed=3) if bias else None
+    nw = randn(hidden, dtype=dtype, seed=4)
+    positions = torch.tensor([3, 4, 5, 6, 30], device=DEVICE)
+    slots = torch.tensor([17, 2, 33, 8, 9], device=DEVICE)
+    cos, sin = tables(D, 32, dtype)
+    kc, vc = randn(slots_total, Hkv, D, dtype=dtype, seed=7), randn(slots_total, Hkv, D, dtype=dtype, seed=8)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    qkv = F.linear(rms_norm(x, nw, 1e-5), w, b)
+    want_q = rope_write_kv_(qkv, H, Hkv, D, cos, sin, positions, slots, want_kc, want_vc)
+    got_q = qkv_rope_write_kv(x, w, b, nw, 1e-5, H, Hkv, D, cos, sin, positions, slots, kc, vc, config=config)
+    assert got_q.shape == (T, H, D)
+    torch.testing.assert_close(got_q, want_q, **tol_for(dtype, want_q))
+    torch.testing.assert_close(kc, want_kc, **tol_for(dtype, want_kc))
+    torch.testing.assert_close(vc, want_vc, **tol_for(dtype, want_vc))
+    untouched = torch.ones(slots_total, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert torch.equal(kc[untouched.to(DEVICE)], want_kc[untouched.to(DEVICE)])
+
+
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def test_fused_llama_forward_matches_the_plain_one(tmp_path, kv_dtype):
-    """The whole decoder: fused kernels (GPU path) vs plain PyTorch, fp32, over a context + verify step,
-    with a cache of the compute dtype (fused cache write) and an FP8 cache (attend writes)."""
+    """The whole decoder: fused kernels (GPU path; with and without the fused GEMMs) vs plain PyTorch,
+    fp32, over a context + verify step, with a cache of the compute dtype (fused cache write) and an
+    FP8 cache (attend writes; the fused GEMMs step aside)."""
     import transformers
 
     from specdec.attention.metadata import plan_step
@@ -126,8 +222,8 @@ def test_fused_llama_forward_matches_the_plain_one(tmp_path, kv_dtype):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     target = load_target(tmp_path, device=DEVICE)
     results = []
-    for fused in (False, True):
-        target.fused = fused
+    for fused, gemm in ((False, False), (True, False), (True, True)):
+        target.fused, target.fused_gemm = fused, gemm
         pool, mgr = KVPool(target.layer_specs(kv_dtype), 8, 4, device=DEVICE), KVCacheManager(8, 4)
         out = []
         for chunk in ([3, 5, 7, 9, 11], [13, 2, 4]):  # context, then a 3-token verify
@@ -146,8 +242,9 @@ def test_fused_llama_forward_matches_the_plain_one(tmp_path, kv_dtype):
                                                   attn, pool, hidden_layer_ids=(0,))
                 out += [target.compute_logits(hidden), captured[0]]
         results.append(out)
-    for plain, fused in zip(*results):
-        torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    for plain, *fused in zip(*results):
+        for got in fused:
+            torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="the kernel tests run in this process (interpreter or GPU)")

@@ -192,3 +192,281 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
                                                         BLOCK=block, num_warps=4)
     return out
+
+
+# -- fused linear layers ---------------------------------------------------------------
+# A decode or verify step has few rows (tokens); each GEMM there is a few µs of
+# launch latency and a small weight read. These kernels fold what surrounds each
+# GEMM of a decoder layer into it, so a layer is five kernels plus attention:
+#
+#   qkv_rope_write_kv:  RMSNorm -> QKV GEMM (+bias) -> RoPE -> Q out, K/V into the cache
+#   linear (residual):  x += o @ Wo^T                  (and x += a @ Wdown^T)
+#   linear (silu_mul):  RMSNorm -> gate/up GEMM -> silu(gate) * up
+#   linear (norm):      RMSNorm -> LM head -> fp32 logits
+#
+# Rounding follows the unfused forward (the normed input rounded to the dtype, then
+# times the norm weight, rounded; each GEMM output rounded to the dtype; the residual
+# add rounded once). Rows are tiled 16 at a time whatever the number of rows and the
+# reduction order over K is fixed, so a row's result does not depend on how many rows
+# the step has: a verify step computes each row as a decode step would.
+
+FUSED_BLOCK_M = 16
+#: Steps with more tokens than this use cuBLAS GEMMs (a prompt's prefill is compute-bound).
+FUSED_GEMM_MAX_TOKENS = 512
+
+
+@triton.jit
+def _row_rstd(X, rows, rmask, stride_x, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :],
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, 1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _load_input(X, NW, rows, rmask, kk, kmask, rstd, stride_x, HAS_NORM: tl.constexpr):
+    x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    if HAS_NORM:  # weight * (x * rstd).to(dtype), rounded: HF's RMSNorm
+        normed = (x.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+        nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
+        x = (nw[None, :] * normed).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _linear_kernel(X, W, Y, NW, RES, M, N, K, stride_x, stride_w, stride_y, stride_r, eps,
+                   HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+                   ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NORM_BLOCK: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask, cmask = rows < M, cols < N
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM and not ONE_PASS:
+        rstd = _row_rstd(X, rows64, rmask, stride_x, K, eps, BLOCK_M, NORM_BLOCK)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        if HAS_NORM and ONE_PASS:  # (x * norm weight) @ W^T, scaled by the row's rstd at the end
+            xr = tl.load(X + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                         other=0.0)
+            xf = xr.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
+            x = (xf * nw[None, :]).to(X.dtype.element_ty)
+        else:
+            x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, HAS_NORM)
+        wmask = cmask[:, None] & kmask[None, :]
+        w = tl.load(W + cols64[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        if SILU_MUL:  # rows [N, 2N) of W are the up projection
+            u = tl.load(W + (cols64 + N)[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+            if IEEE:
+                acc_up += tl.dot(x, tl.trans(u), input_precision="ieee")
+            else:
+                acc_up += tl.dot(x, tl.trans(u))
+    if HAS_NORM and ONE_PASS:
+        r = tl.rsqrt(ss / K + eps)
+        acc = acc * r[:, None]
+        acc_up = acc_up * r[:, None]
+    out = acc.to(X.dtype.element_ty).to(tl.float32)  # the GEMM's output, rounded
+    if SILU_MUL:
+        act = (out / (1.0 + tl.exp(-out))).to(X.dtype.element_ty).to(tl.float32)
+        out = act * acc_up.to(X.dtype.element_ty).to(tl.float32)
+    omask = rmask[:, None] & cmask[None, :]
+    if HAS_RES:
+        out += tl.load(RES + rows64[:, None] * stride_r + cols64[None, :], mask=omask, other=0.0).to(tl.float32)
+    tl.store(Y + rows64[:, None] * stride_y + cols64[None, :], out.to(Y.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _qkv_rope_kernel(X, W, BIAS, NW, Q, KC, VC, COS, SIN, POS, SLOTS, M, K, stride_x, stride_w, stride_q,
+                     stride_c, stride_ks, stride_kh, stride_vs, stride_vh, num_heads, num_kv_heads, eps,
+                     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ONE_PASS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HALF: tl.constexpr, HEAD_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    # program (head part, row block): heads [0, H) are Q, [H, H + Hkv) K, then V. A program
+    # computes columns d and d + D/2 of its head (two GEMM tiles), so rotate-half RoPE pairs
+    # them in registers; HEAD_SPLIT programs share a head (more programs for a small model).
+    head = tl.program_id(0) // HEAD_SPLIT
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    d = (tl.program_id(0) % HEAD_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dmask = d < HALF
+    lo = (head * HEAD_DIM + d).to(tl.int64)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if not ONE_PASS:
+        rstd = _row_rstd(X, rows64, rmask, stride_x, K, eps, BLOCK_M, NORM_BLOCK)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        if ONE_PASS:
+            xf = tl.load(X + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
+            x = (xf * nw[None, :]).to(X.dtype.element_ty)
+        else:
+            x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, True)
+        wmask = dmask[:, None] & kmask[None, :]
+        w1 = tl.load(W + lo[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+        w2 = tl.load(W + (lo + HALF)[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
+        if IEEE:
+            acc1 += tl.dot(x, tl.trans(w1), input_precision="ieee")
+            acc2 += tl.dot(x, tl.trans(w2), input_precision="ieee")
+        else:
+            acc1 += tl.dot(x, tl.trans(w1))
+            acc2 += tl.dot(x, tl.trans(w2))
+    if ONE_PASS:
+        r = tl.rsqrt(ss / K + eps)
+        acc1 = acc1 * r[:, None]
+        acc2 = acc2 * r[:, None]
+    if HAS_BIAS:
+        acc1 += tl.load(BIAS + lo, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(BIAS + lo + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    a1 = acc1.to(X.dtype.element_ty)  # the QKV GEMM's output, rounded
+    a2 = acc2.to(X.dtype.element_ty)
+    omask = rmask[:, None] & dmask[None, :]
+    slot = tl.load(SLOTS + rows64, mask=rmask, other=0).to(tl.int64)
+    if head >= num_heads + num_kv_heads:  # V: stored as computed
+        dst = VC + slot[:, None] * stride_vs + (head - num_heads - num_kv_heads) * stride_vh
+        tl.store(dst + d[None, :], a1.to(VC.dtype.element_ty), mask=omask)
+        tl.store(dst + HALF + d[None, :], a2.to(VC.dtype.element_ty), mask=omask)
+    else:
+        pos = tl.load(POS + rows64, mask=rmask, other=0).to(tl.int64)
+        tab = pos[:, None] * stride_c + d[None, :]
+        c1 = tl.load(COS + tab, mask=omask, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + tab + HALF, mask=omask, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + tab, mask=omask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + tab + HALF, mask=omask, other=0.0).to(tl.float32)
+        f1, f2 = a1.to(tl.float32), a2.to(tl.float32)
+        o1 = (f1 * c1 - f2 * s1).to(X.dtype.element_ty)
+        o2 = (f2 * c2 + f1 * s2).to(X.dtype.element_ty)
+        if head < num_heads:
+            dst = Q + rows64[:, None] * stride_q + head * HEAD_DIM
+            tl.store(dst + d[None, :], o1, mask=omask)
+            tl.store(dst + HALF + d[None, :], o2, mask=omask)
+        else:
+            dst = KC + slot[:, None] * stride_ks + (head - num_heads) * stride_kh
+            tl.store(dst + d[None, :], o1.to(KC.dtype.element_ty), mask=omask)
+            tl.store(dst + HALF + d[None, :], o2.to(KC.dtype.element_ty), mask=omask)
+
+
+#: Launch configuration of the fused GEMMs: (BLOCK_N, BLOCK_K, num_warps, num_stages, ONE_PASS).
+#: ``ONE_PASS`` folds the RMSNorm into the GEMM loop (the row's rstd scales the accumulator at
+#: the end) instead of a first pass over the row: one read of ``x``, a rounding of its own.
+#: Defaults: the best of ``bench/linear_sweep.py`` on an H200 (SmolLM2's shapes, 1-32 rows); the
+#: down projection (K = 1536) and the LM head (N = 49152) take their own (see ``_linear_config``).
+LINEAR_CONFIG = {"block_n": 16, "block_n_wide": 128, "block_k": 64, "num_warps": 4, "num_stages": 4,
+                 "one_pass": False, "norm_block_k": 64}
+SILU_MUL_CONFIG = {**LINEAR_CONFIG, "block_n": 32}
+LONG_K_CONFIG = {**LINEAR_CONFIG, "block_k": 256, "num_warps": 2}
+WIDE_N_CONFIG = {**LINEAR_CONFIG, "num_stages": 3}
+QKV_CONFIG = {"block_k": 64, "num_warps": 4, "num_stages": 4, "one_pass": False, "head_split": 2, "norm_block_k": 64}
+
+
+def _linear_config(n: int, k: int, silu_mul: bool) -> dict:
+    if silu_mul:
+        return SILU_MUL_CONFIG
+    if n > 2048:
+        return WIDE_N_CONFIG
+    return LONG_K_CONFIG if k > 1024 else LINEAR_CONFIG
+
+
+def _block_n(n: int, cfg: dict) -> int:
+    """Output columns per program: enough programs at one row block to fill the GPU."""
+    return cfg["block_n"] if n <= 2048 else cfg["block_n_wide"]
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """``y = act(norm(x) @ weight^T) (+ residual)`` in one kernel, for steps of few rows.
+
+    Args:
+        x: ``[M, K]``, last dim contiguous.
+        weight: ``[N, K]`` (``[2 I, K]``, gate rows then up rows, with ``silu_mul``), contiguous.
+        norm_weight: RMSNorm ``x`` first (weight ``[K]``), as the unfused forward does.
+        eps: the norm's epsilon.
+        silu_mul: output ``silu(x @ gate^T) * (x @ up^T)`` ``[M, I]``.
+        residual: add it to the output (``[M, N]``); may be ``out`` itself (an in-place residual add).
+        out: where to write (default: a new tensor).
+        out_dtype: dtype of a new output (default ``x``'s); the result is rounded to ``x``'s dtype
+            first either way (fp32 logits of a bf16 LM head).
+        config: overrides of :data:`LINEAR_CONFIG` (benchmarks).
+
+    Returns:
+        ``out``.
+    """
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    if weight.shape[1] != k or (silu_mul and weight.shape[0] % 2):
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (silu_mul={silu_mul})")
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out
+    res = residual if residual is not None else out
+    cfg = {**_linear_config(n, k, silu_mul), **(config or {})}
+    bn = _block_n(n, cfg)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, FUSED_BLOCK_M))
+    _linear_kernel[grid](x, weight, out, norm_weight if norm_weight is not None else weight, res, m, n, k,
+                         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
+                         HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
+                         IEEE=x.dtype == torch.float32, ONE_PASS=cfg["one_pass"], BLOCK_M=FUSED_BLOCK_M,
+                         BLOCK_N=bn, BLOCK_K=min(cfg["block_k"], max(16, triton.next_power_of_2(k))),
+                         NORM_BLOCK=min(cfg["norm_block_k"], max(16, triton.next_power_of_2(k))), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, norm_weight: torch.Tensor,
+                      eps: float, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                      sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """RMSNorm, the fused QKV GEMM, RoPE on Q and K, and K/V stored at their cache slots: one kernel.
+
+    Args:
+        x: the residual stream ``[T, hidden]``.
+        w_qkv: ``[(H + 2 Hkv) * D, hidden]``; b_qkv: its bias or ``None``.
+        norm_weight, eps: the layer's input RMSNorm.
+        num_heads, num_kv_heads, head_dim: H, Hkv, D (D even).
+        cos, sin: tables ``[max_positions, D]``; positions: ``[T]``.
+        slots: ``[T]`` cache slots; k_cache, v_cache: ``[num_slots, Hkv, D]``.
+        config: overrides of :data:`QKV_CONFIG` (benchmarks).
+
+    Returns:
+        the rotated queries ``[T, H, D]``.
+    """
+    t, k = x.shape
+    q = torch.empty(t, num_heads * head_dim, dtype=x.dtype, device=x.device)
+    if t:
+        half = head_dim // 2
+        cfg = {**QKV_CONFIG, **(config or {})}
+        split = cfg["head_split"] if half % cfg["head_split"] == 0 and half // cfg["head_split"] >= 16 else 1
+        grid = ((num_heads + 2 * num_kv_heads) * split, triton.cdiv(t, FUSED_BLOCK_M))
+        _qkv_rope_kernel[grid](
+            x, w_qkv, b_qkv if b_qkv is not None else w_qkv, norm_weight, q, k_cache, v_cache, cos, sin, positions,
+            slots, t, k, x.stride(0), w_qkv.stride(0), q.stride(0), cos.stride(0), k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), num_heads, num_kv_heads, eps,
+            HAS_BIAS=b_qkv is not None, IEEE=x.dtype == torch.float32, ONE_PASS=cfg["one_pass"],
+            HEAD_DIM=head_dim, HALF=half, HEAD_SPLIT=split, BLOCK_H=max(16, triton.next_power_of_2(half // split)),
+            BLOCK_M=FUSED_BLOCK_M,
+            BLOCK_K=min(cfg["block_k"], max(16, triton.next_power_of_2(k))),
+            NORM_BLOCK=min(cfg["norm_block_k"], max(16, triton.next_power_of_2(k))), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    return q.view(t, num_heads, head_dim)

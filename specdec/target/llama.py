@@ -168,6 +168,10 @@ class LlamaTarget:
         # Fused Triton elementwise kernels on the GPU (a step is launch-bound there); plain
         # PyTorch elsewhere. Tests set it on the CPU under TRITON_INTERPRET=1.
         self.fused = self.device.type == "cuda" and _has_triton()
+        # With ``fused``, steps of at most FUSED_GEMM_MAX_TOKENS tokens also fold each norm, RoPE,
+        # cache write, activation and residual add into the GEMM beside it (five kernels a layer
+        # plus attention; see kernels.py). Needs a cache of the compute dtype and no QK norm.
+        self.fused_gemm = True
 
     def _load(self, w: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -227,7 +231,15 @@ class LlamaTarget:
         """``[T]`` → ``[T, hidden_size]``."""
         return self.embed[input_ids]
 
+    def _use_fused_gemm(self, num_tokens: int, pool) -> bool:
+        from specdec.target.kernels import FUSED_GEMM_MAX_TOKENS
+
+        return (self.fused and self.fused_gemm and num_tokens <= FUSED_GEMM_MAX_TOKENS
+                and not self.config.qk_norm and all(k.dtype == self.dtype for k in pool.k[: self.num_layers]))
+
     def forward(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
+        if self._use_fused_gemm(input_ids.shape[0], pool):
+            return self._forward_fused_gemm(input_ids, positions, attn, pool, hidden_layer_ids)
         if self.fused:
             return self._forward_fused(input_ids, positions, attn, pool, hidden_layer_ids)
         c = self.config
@@ -284,6 +296,34 @@ class LlamaTarget:
                 captured[i] = x + delta
         return x + delta, captured
 
+    def _forward_fused_gemm(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
+        """The decoder in five fused kernels a layer plus attention (steps of few tokens): the
+        residual stream is updated in place by the O and down projections' epilogues."""
+        from specdec.target.kernels import fused_linear, qkv_rope_write_kv
+
+        c = self.config
+        T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps, wanted, captured = c.rms_norm_eps, set(hidden_layer_ids), {}
+        x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream
+        for i, L in enumerate(self.layers):
+            kc, vc = pool.k[i], pool.v[i]
+            q = qkv_rope_write_kv(x, L.w_qkv, L.b_qkv, L.norm_in, eps, H, Hkv, D, self._cos, self._sin,
+                                  positions, attn.slot_mapping, kc, vc)
+            o = attn.attend(q, None, None, kc, vc, self.scale, D)
+            fused_linear(o.reshape(T, H * D), L.w_o, residual=x, out=x)
+            a = fused_linear(x, L.w_gate_up, norm_weight=L.norm_post, eps=eps, silu_mul=True)
+            fused_linear(a, L.w_down, residual=x, out=x)
+            if i in wanted:
+                captured[i] = x.clone()
+        return x, captured
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        from specdec.target.kernels import FUSED_GEMM_MAX_TOKENS
+
+        if self.fused and self.fused_gemm and hidden.shape[0] <= FUSED_GEMM_MAX_TOKENS:
+            from specdec.target.kernels import fused_linear
+
+            return fused_linear(hidden.contiguous(), self.lm_head, norm_weight=self.final_norm,
+                                eps=self.config.rms_norm_eps, out_dtype=torch.float32)
         h = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

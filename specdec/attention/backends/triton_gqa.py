@@ -379,7 +379,7 @@ class TritonGQABackend(AttentionBackend):
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=8 if block_m * max(block_d, block_dv) >= 128 * 128 else 4,
-            num_stages=2,
+            num_stages=TUNING["num_stages"] or 2,
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
@@ -405,6 +405,11 @@ class TritonGQABackend(AttentionBackend):
         return self._num_sms[index]
 
 
+#: Overrides of the 16-bit key tile (``block_n``) and the pipeline depth (``num_stages``), for
+#: ``bench/gqa_sweep.py``; ``None`` keeps the defaults below.
+TUNING: dict[str, int | None] = {"block_n": None, "num_stages": None}
+
+
 def _tile_sizes(fp32: bool, block_d: int, rows: int) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)``: query rows per program and keys per tile.
 
@@ -416,7 +421,7 @@ def _tile_sizes(fp32: bool, block_d: int, rows: int) -> tuple[int, int]:
     if fp32:
         return 16, (64 if block_d <= 128 else 16)
     cap, block_n = (128, 64) if block_d <= 128 else (64, 32)
-    return min(cap, _pow2(rows)), block_n
+    return min(cap, _pow2(rows)), TUNING["block_n"] or block_n
 
 
 def _pow2(n: int) -> int:
