@@ -17,7 +17,9 @@ length, the per-step time breakdown (target forward incl. the one device sync,
 drafter, verify, host), the bytes-read floor of one step (weights + mean KV at
 4.8 TB/s), graph-replayed steps, and how many outputs equal specdec-null's
 (the -invariant rows: specdec-null-invariant's). Each specdec system first
-generates its first batch untimed (compiles kernels, captures graphs).
+captures every CUDA-graph bucket the prompts can need (``engine.capture_graphs``;
+``--no-precapture`` leaves captures inside the timed steps) and generates its
+first batch, untimed (compiles kernels).
 Writes a markdown table (and JSON) to --out.
 """
 
@@ -87,7 +89,11 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
     engine = SpecEngine(target, make_drafter(drafter_name, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    # Warm-up, untimed: the first batch in full (compiles kernels, captures most graph buckets).
+    # Untimed: every graph bucket these prompts can need, then the first batch in full (compiles kernels).
+    t0 = time.perf_counter()
+    precaptured = 0 if args.no_precapture else engine.capture_graphs(
+        max_kv_len=max(len(p) for p in prompt_ids) + args.max_new_tokens + args.k + 1, progress=False)
+    precapture_s = time.perf_counter() - t0
     engine.generate(prompt_ids[:batch_size], params)
     engine.timings.update({k: 0 for k in engine.timings})
     for k in ("graph_steps", "eager_steps", "graphs_captured", "capture_s"):
@@ -108,6 +114,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
     return {"outputs": [list(o.token_ids) for o in outs], "time_s": t_total, "tokens": tokens,
             "forwards": sum(o.stats.target_steps for o in outs), "mean_accepted_length": sum(acc) / max(1, len(acc)),
             "steps": engine.timings["steps"], "per_step_ms": per_step_ms, "graphs": engine.graph_stats,
+            "precaptured_graphs": precaptured, "precapture_s": precapture_s,
             "mean_context": sum(len(o.prompt_token_ids) + len(o.token_ids) / 2 for o in outs) / len(outs)}
 
 
@@ -135,6 +142,8 @@ def main() -> None:
     ap.add_argument("--invariant", action="store_true",
                     help="also run each drafter with batch_invariant=True (GPU bf16 losslessness study)")
     ap.add_argument("--no-graphs", action="store_true", help="cuda_graphs=False")
+    ap.add_argument("--no-precapture", action="store_true",
+                    help="capture graph buckets on demand (inside timed steps) instead of before the run")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write markdown + JSON here (path without suffix)")

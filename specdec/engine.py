@@ -125,6 +125,38 @@ class SpecEngine:
         st = self.runner.stats
         return {**st, "eager_reasons": dict(st["eager_reasons"]), "backends": dict(st["backends"])}
 
+    def capture_graphs(self, max_kv_len: int | None = None, progress: bool = True) -> int:
+        """Capture the CUDA graph of every generation bucket now, before serving.
+
+        Without it a bucket is captured by the first step that needs it (tens of ms, inside
+        that step). Captures use the scratch slot only; no request is touched. A no-op (0)
+        where graphs are off (``cuda_graphs=False``, not on CUDA).
+
+        Args:
+            max_kv_len: the longest context (prompt + output) to prepare for; buckets for
+                longer contexts are still captured on demand (default: the model's context).
+            progress: show a progress bar.
+
+        Returns:
+            how many graphs were captured.
+        """
+        decode_only = isinstance(self.drafter, NullDrafter) or self.config.max_draft_tokens == 0
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(unit="graph", desc="capture graphs")
+
+        def tick(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(1)
+
+        try:
+            return self.runner.capture_buckets(decode_only, max_kv_len, tick if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+
     @property
     def attention_backends(self) -> dict[str, str]:
         """Backend that ran each phase of the last step (``{"context": ..., "generation": ...}``)."""

@@ -91,6 +91,47 @@ def graph_key(policy: GraphPolicy, q_lens: list[int] | tuple[int, ...],
     return GraphKey(b, tokens, ql, kv), ""
 
 
+def all_buckets(policy: GraphPolicy, decode_only: bool = False,
+                max_kv_len: int | None = None) -> list[tuple[GraphKey, list[int]]]:
+    """Every bucket :func:`graph_key` can return under ``policy``, each with query lengths of a
+    step that falls in it (what :meth:`ModelRunner.capture_buckets` runs to capture it).
+
+    Args:
+        policy: the runner's limits.
+        decode_only: only single-token steps (a drafter that never drafts).
+        max_kv_len: only context buckets up to the one holding this many tokens (default: all).
+    """
+    kv_top = min(policy.max_context, max(MIN_KV_BUCKET, next_pow2(max_kv_len or policy.max_context)))
+    kvs, kv = [], min(MIN_KV_BUCKET, kv_top)
+    while True:
+        kvs.append(min(kv, policy.max_context))
+        if kv >= kv_top:
+            break
+        kv *= 2
+    if policy.batch_invariant:
+        b, v = policy.max_num_seqs, policy.verify_len
+        return [(GraphKey(b, b * v, v, policy.max_context), [v] * b)]
+    out = []
+    for kv in kvs:
+        for n in sorted({min(next_pow2(i), policy.max_num_seqs) for i in range(1, policy.max_num_seqs + 1)}):
+            out.append((GraphKey(n, n, 1, kv), [1] * n))
+            v = policy.verify_len
+            if decode_only or v == 1:
+                continue
+            seen = set()
+            for total in range(n + 1, n * v + 1):  # a verify step of `total` tokens (some request drafts)
+                q, extra = [1] * n, total - n
+                for i in range(n):
+                    add = min(extra, v - 1)
+                    q[i] += add
+                    extra -= add
+                key, _ = graph_key(policy, q, [kv] * n)
+                if key is not None and key not in seen:
+                    seen.add(key)
+                    out.append((key, q))
+    return out
+
+
 def pad_step(key: GraphKey, input_ids: list[int], positions: list[int], slots: list[int],
              scratch_slot: int) -> tuple[list[int], list[int], list[int]]:
     """Pad a step's token inputs to the bucket: token 0 at position 0, written to ``scratch_slot``.

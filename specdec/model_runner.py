@@ -149,6 +149,42 @@ class ModelRunner:
             self.stats["backends"][f"{phase}:{name}"] += 1
         return result
 
+    def capture_buckets(self, decode_only: bool = False, max_kv_len: int | None = None, progress=None) -> int:
+        """Capture every graph bucket now (not during the first steps that need them).
+
+        Each capture runs a synthetic step whose tokens all write to the scratch slot and whose
+        page tables name only the scratch page: no request's cache is touched.
+
+        Args:
+            decode_only: only single-token buckets (a drafter that never drafts).
+            max_kv_len: only context buckets up to the one holding this many tokens.
+            progress: called with ``(done, total)`` after each bucket, or ``None``.
+
+        Returns:
+            how many graphs were captured (buckets already captured are skipped).
+        """
+        from specdec.graphs import all_buckets
+
+        if self._no_graph:
+            return 0
+        buckets = [(k, q) for k, q in all_buckets(self.policy, decode_only, max_kv_len) if k not in self._graphs]
+        page = self.scratch_slot // self.tpb
+        for done, (key, q_lens) in enumerate(buckets, 1):
+            kv = key.max_kv_len
+            table = (page,) * -(-kv // self.tpb)
+            n = sum(q_lens)
+            step = StepInput([0] * n, [p for q in q_lens for p in range(kv - q, kv)], [self.scratch_slot] * n,
+                             [], [(q, kv, table) for q in q_lens], list(range(n)), True)
+            got, why = graph_key(self.policy, q_lens, [kv] * len(q_lens))
+            assert got == key, (got, key, why)
+            backend = select(self.shape_of("generation", key.max_q_len, False), self.requested)
+            if not getattr(backend, "capturable", False):
+                return done - 1
+            self._capture(key, backend, step)
+            if progress is not None:
+                progress(done, len(buckets))
+        return len(buckets)
+
     # -- eager -----------------------------------------------------------------
     def _eager(self, step: StepInput) -> StepResult:
         dev = self.target.device

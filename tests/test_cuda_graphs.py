@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from specdec import SamplingParams, SpecEngine
 from specdec.drafters import SuffixAutomatonDrafter
 from specdec.errors import ConfigError
-from specdec.graphs import MIN_KV_BUCKET, GraphKey, GraphPolicy, graph_key, next_pow2, pad_step
+from specdec.graphs import MIN_KV_BUCKET, GraphKey, GraphPolicy, all_buckets, graph_key, next_pow2, pad_step
 
 HAS_CUDA = torch.cuda.is_available()
 POLICY = GraphPolicy(max_num_seqs=64, max_draft_tokens=8, max_context=8192)
@@ -62,6 +62,43 @@ def test_every_fitting_step_gets_a_bucket_that_holds_it(reqs, max_seqs, invarian
         assert key.num_seqs in (next_pow2(len(reqs)), max_seqs)
         assert key.max_q_len in (1, 9)
         assert key.num_tokens == key.num_seqs * key.max_q_len or key.num_tokens & (key.num_tokens - 1) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 3000)), min_size=1, max_size=24),
+       st.integers(1, 24), st.sampled_from([1, 4, 8]), st.booleans())
+def test_all_buckets_lists_every_bucket_a_step_can_need(reqs, max_seqs, k, invariant):
+    """``all_buckets`` (what capture_graphs captures) holds the bucket of every fitting step, and
+    each listed bucket is the one its sample step falls in."""
+    policy = GraphPolicy(max_num_seqs=max_seqs, max_draft_tokens=k, max_context=4096, batch_invariant=invariant)
+    listed = all_buckets(policy)
+    assert len(set(key for key, _ in listed)) == len(listed)
+    for key, q_lens in listed:
+        assert graph_key(policy, q_lens, [key.max_kv_len] * len(q_lens)) == (key, "")
+    q_lens = [min(q, 1 + k) for q, _ in reqs][:max_seqs]
+    kv_lens = [q + extra for q, (_, extra) in zip(q_lens, reqs)]
+    key, _ = graph_key(policy, q_lens, kv_lens)
+    assert key in {key for key, _ in listed}
+    if max(q_lens) == 1:
+        assert key in {key for key, _ in all_buckets(policy, decode_only=True)}
+    if not invariant:
+        assert all(b.max_kv_len <= 512 for b, _ in all_buckets(policy, max_kv_len=300))
+
+
+def test_all_buckets_for_a_small_policy():
+    policy = GraphPolicy(max_num_seqs=3, max_draft_tokens=2, max_context=600)
+    got = {key for key, _ in all_buckets(policy, max_kv_len=200)}
+    assert got == {GraphKey(1, 1, 1, 256), GraphKey(2, 2, 1, 256), GraphKey(3, 3, 1, 256), GraphKey(1, 2, 3, 256),
+                   GraphKey(1, 3, 3, 256), GraphKey(2, 4, 3, 256), GraphKey(2, 6, 3, 256),
+                   GraphKey(3, 4, 3, 256), GraphKey(3, 8, 3, 256), GraphKey(3, 9, 3, 256)}
+    assert {key.max_kv_len for key, _ in all_buckets(policy)} == {256, 512, 600}
+
+
+def test_capture_graphs_is_a_no_op_on_the_cpu(tmp_path):
+    from tests.test_triton_gqa import tiny_llama
+
+    engine = SpecEngine(tiny_llama(tmp_path, "cpu"), tokens_per_block=4)
+    assert engine.capture_graphs(progress=False) == 0
 
 
 def test_pad_step_pads_to_the_bucket_and_refuses_overflow():
@@ -121,6 +158,25 @@ class TestOnGPU:
             assert graph == eager == null
             assert engine.runner.stats["graph_steps"] > 0 and engine.runner.stats["graphs_captured"] > 0
             assert set(engine.runner.stats["eager_reasons"]) <= {"a context phase in the step"}
+
+    def test_captured_before_serving_equals_captured_on_demand(self, tmp_path):
+        """capture_graphs() captures every bucket up front (scratch slot only): generation then
+        captures nothing more, and outputs equal those of an engine that captured on demand."""
+        from tests.test_triton_gqa import tiny_llama
+
+        target = tiny_llama(tmp_path, "cuda", vocab_size=256, hidden_size=64, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                            eos_token_id=255)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 255, (n,), generator=g).tolist() for n in (40, 5, 130)] + [[1, 2, 3, 4] * 30]
+        on_demand, _ = _generate(target, SuffixAutomatonDrafter(), prompts, 40, max_num_seqs=4)
+        engine = SpecEngine(target, SuffixAutomatonDrafter(), max_num_seqs=4)
+        captured = engine.capture_graphs(max_kv_len=300, progress=False)
+        assert captured == len(all_buckets(engine.runner.policy, max_kv_len=300)) > 0
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        assert [o.token_ids for o in outs] == on_demand
+        assert engine.runner.stats["graphs_captured"] == captured  # none during generation
+        assert engine.runner.stats["graph_steps"] > 0
 
     def test_replay_equals_eager_in_bf16(self, tmp_path):
         """One verify step, same inputs: replays are identical, and equal the eager forward up to
