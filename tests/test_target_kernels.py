@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu')"
 import triton  # noqa: E402
 
 from specdec.target.kernels import (add_rms_norm_, fused_linear, qkv_rope_write_kv, rope_,  # noqa: E402
-                                    rope_write_kv_, silu_mul)
+                                    rope_write_kv_, silu_mul, ss_parts)
 from specdec.target.llama import apply_rope, rms_norm  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -163,6 +163,43 @@ def test_fused_linear_matches_the_unfused_layers(dtype, m, mode):
 def test_fused_linear_rejects_a_weight_of_the_wrong_width():
     with pytest.raises(ValueError, match="does not fit"):
         fused_linear(torch.zeros(2, 8), torch.zeros(4, 6))
+
+
+@needs_kernels
+def test_fused_linear_rejects_an_ss_buffer_of_the_wrong_shape():
+    x, w = randn(3, 32, dtype=torch.float32), randn(40, 32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="ss_out must be"):
+        fused_linear(x, w, ss_out=torch.zeros(3, 1, device=DEVICE))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 19])
+def test_norm_from_the_partial_sums_the_writer_left(dtype, m):
+    """The residual kernel leaves each row's sum of squares in column-block parts; the next
+    norm (a fused GEMM or the QKV kernel) reads them instead of passing over the row: the
+    same result as the norm's own pass."""
+    hidden, inter, H, Hkv, D = 96, 64, 2, 1, 32
+    x = randn(m, hidden, dtype=dtype, seed=1)
+    o = randn(m, hidden, dtype=dtype, seed=2) * 0.3
+    w_o = randn(hidden, hidden, dtype=dtype, seed=3) * 0.1
+    ss = torch.full((m, ss_parts(hidden, hidden)), float("nan"), device=DEVICE)
+    fused_linear(o, w_o, residual=x, out=x, ss_out=ss)
+    assert not ss.isnan().any()
+    torch.testing.assert_close(ss.sum(1), x.float().pow(2).sum(1), rtol=1e-5, atol=1e-4)
+    nw = randn(hidden, dtype=dtype, seed=4)
+    w_gu = randn(2 * inter, hidden, dtype=dtype, seed=5) * 0.1
+    want = fused_linear(x, w_gu, norm_weight=nw, eps=1e-5, silu_mul=True)
+    got = fused_linear(x, w_gu, norm_weight=nw, eps=1e-5, silu_mul=True, norm_ss=ss)
+    torch.testing.assert_close(got, want, **tol_for(dtype, want))
+    w_qkv = randn((H + 2 * Hkv) * D, hidden, dtype=dtype, seed=6) * 0.1
+    cos, sin = tables(D, 64, dtype)
+    pos, slots = torch.arange(m, device=DEVICE), torch.arange(m, device=DEVICE)
+    caches = [randn(m, Hkv, D, dtype=dtype, seed=s) for s in (7, 8, 7, 8)]
+    q_want = qkv_rope_write_kv(x, w_qkv, None, nw, 1e-5, H, Hkv, D, cos, sin, pos, slots, *caches[:2])
+    q_got = qkv_rope_write_kv(x, w_qkv, None, nw, 1e-5, H, Hkv, D, cos, sin, pos, slots, *caches[2:], norm_ss=ss)
+    torch.testing.assert_close(q_got, q_want, **tol_for(dtype, q_want))
+    torch.testing.assert_close(caches[2], caches[0], **tol_for(dtype, caches[0]))
 
 
 @needs_kernels

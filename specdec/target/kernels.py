@@ -227,6 +227,16 @@ def _row_rstd(X, rows, rmask, stride_x, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def _rstd_from_parts(SS, rows, rmask, num_parts, K, eps, BLOCK_M: tl.constexpr, PARTS_BLOCK: tl.constexpr):
+    # the row's sum of squares, as partial sums the kernel that wrote the row left behind (one per
+    # column block, in a fixed order): one small load instead of a pass over the row
+    p = tl.arange(0, PARTS_BLOCK)
+    part = tl.load(SS + rows[:, None] * num_parts + p[None, :], mask=rmask[:, None] & (p < num_parts)[None, :],
+                   other=0.0)
+    return tl.rsqrt(tl.sum(part, 1) / K + eps)
+
+
+@triton.jit
 def _load_input(X, NW, rows, rmask, kk, kmask, rstd, stride_x, HAS_NORM: tl.constexpr):
     x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
     if HAS_NORM:  # weight * (x * rstd).to(dtype), rounded: HF's RMSNorm
@@ -237,16 +247,19 @@ def _load_input(X, NW, rows, rmask, kk, kmask, rstd, stride_x, HAS_NORM: tl.cons
 
 
 @triton.jit
-def _linear_kernel(X, W, Y, NW, RES, M, N, K, stride_x, stride_w, stride_y, stride_r, eps,
-                   HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
-                   ONE_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NORM_BLOCK: tl.constexpr):
+def _linear_kernel(X, W, Y, NW, RES, SS_IN, SS_OUT, M, N, K, stride_x, stride_w, stride_y, stride_r, eps,
+                   parts_in, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
+                   IEEE: tl.constexpr, ONE_PASS: tl.constexpr, NORM_FROM_SS: tl.constexpr, WRITE_SS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                   PARTS_BLOCK: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, cmask = rows < M, cols < N
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM and not ONE_PASS:
+    if HAS_NORM and NORM_FROM_SS:
+        rstd = _rstd_from_parts(SS_IN, rows64, rmask, parts_in, K, eps, BLOCK_M, PARTS_BLOCK)
+    elif HAS_NORM and not ONE_PASS:
         rstd = _row_rstd(X, rows64, rmask, stride_x, K, eps, BLOCK_M, NORM_BLOCK)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -254,7 +267,7 @@ def _linear_kernel(X, W, Y, NW, RES, M, N, K, stride_x, stride_w, stride_y, stri
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
-        if HAS_NORM and ONE_PASS:  # (x * norm weight) @ W^T, scaled by the row's rstd at the end
+        if HAS_NORM and ONE_PASS and not NORM_FROM_SS:  # (x * norm weight) @ W^T, times rstd at the end
             xr = tl.load(X + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
                          other=0.0)
             xf = xr.to(tl.float32)
@@ -275,7 +288,7 @@ def _linear_kernel(X, W, Y, NW, RES, M, N, K, stride_x, stride_w, stride_y, stri
                 acc_up += tl.dot(x, tl.trans(u), input_precision="ieee")
             else:
                 acc_up += tl.dot(x, tl.trans(u))
-    if HAS_NORM and ONE_PASS:
+    if HAS_NORM and ONE_PASS and not NORM_FROM_SS:
         r = tl.rsqrt(ss / K + eps)
         acc = acc * r[:, None]
         acc_up = acc_up * r[:, None]
@@ -286,15 +299,20 @@ def _linear_kernel(X, W, Y, NW, RES, M, N, K, stride_x, stride_w, stride_y, stri
     omask = rmask[:, None] & cmask[None, :]
     if HAS_RES:
         out += tl.load(RES + rows64[:, None] * stride_r + cols64[None, :], mask=omask, other=0.0).to(tl.float32)
-    tl.store(Y + rows64[:, None] * stride_y + cols64[None, :], out.to(Y.dtype.element_ty), mask=omask)
+    y = out.to(Y.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * stride_y + cols64[None, :], y, mask=omask)
+    if WRITE_SS:  # this block's share of each row's sum of squares, for the next norm
+        yf = tl.where(omask, y.to(tl.float32), 0.0)
+        tl.store(SS_OUT + rows64 * tl.num_programs(0) + tl.program_id(0), tl.sum(yf * yf, 1), mask=rmask)
 
 
 @triton.jit
-def _qkv_rope_kernel(X, W, BIAS, NW, Q, KC, VC, COS, SIN, POS, SLOTS, M, K, stride_x, stride_w, stride_q,
-                     stride_c, stride_ks, stride_kh, stride_vs, stride_vh, num_heads, num_kv_heads, eps,
-                     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ONE_PASS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HALF: tl.constexpr, HEAD_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+def _qkv_rope_kernel(X, W, BIAS, NW, SS_IN, Q, KC, VC, COS, SIN, POS, SLOTS, M, K, stride_x, stride_w, stride_q,
+                     stride_c, stride_ks, stride_kh, stride_vs, stride_vh, num_heads, num_kv_heads, eps, parts_in,
+                     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ONE_PASS: tl.constexpr, NORM_FROM_SS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HEAD_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                     PARTS_BLOCK: tl.constexpr):
     # program (head part, row block): heads [0, H) are Q, [H, H + Hkv) K, then V. A program
     # computes columns d and d + D/2 of its head (two GEMM tiles), so rotate-half RoPE pairs
     # them in registers; HEAD_SPLIT programs share a head (more programs for a small model).
@@ -306,7 +324,9 @@ def _qkv_rope_kernel(X, W, BIAS, NW, Q, KC, VC, COS, SIN, POS, SLOTS, M, K, stri
     dmask = d < HALF
     lo = (head * HEAD_DIM + d).to(tl.int64)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if not ONE_PASS:
+    if NORM_FROM_SS:
+        rstd = _rstd_from_parts(SS_IN, rows64, rmask, parts_in, K, eps, BLOCK_M, PARTS_BLOCK)
+    elif not ONE_PASS:
         rstd = _row_rstd(X, rows64, rmask, stride_x, K, eps, BLOCK_M, NORM_BLOCK)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -314,7 +334,7 @@ def _qkv_rope_kernel(X, W, BIAS, NW, Q, KC, VC, COS, SIN, POS, SLOTS, M, K, stri
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
-        if ONE_PASS:
+        if ONE_PASS and not NORM_FROM_SS:
             xf = tl.load(X + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
                          other=0.0).to(tl.float32)
             ss += tl.sum(xf * xf, 1)
@@ -331,7 +351,7 @@ def _qkv_rope_kernel(X, W, BIAS, NW, Q, KC, VC, COS, SIN, POS, SLOTS, M, K, stri
         else:
             acc1 += tl.dot(x, tl.trans(w1))
             acc2 += tl.dot(x, tl.trans(w2))
-    if ONE_PASS:
+    if ONE_PASS and not NORM_FROM_SS:
         r = tl.rsqrt(ss / K + eps)
         acc1 = acc1 * r[:, None]
         acc2 = acc2 * r[:, None]
@@ -387,6 +407,11 @@ def _linear_config(n: int, k: int, silu_mul: bool) -> dict:
     return LONG_K_CONFIG if k > 1024 else LINEAR_CONFIG
 
 
+def ss_parts(n: int, k: int) -> int:
+    """Columns of the ``ss_out`` buffer of a plain ``fused_linear`` of an ``[N, K]`` weight."""
+    return triton.cdiv(n, _block_n(n, _linear_config(n, k, False)))
+
+
 def _block_n(n: int, cfg: dict) -> int:
     """Output columns per program: enough programs at one row block to fill the GPU."""
     return cfg["block_n"] if n <= 2048 else cfg["block_n_wide"]
@@ -395,6 +420,7 @@ def _block_n(n: int, cfg: dict) -> int:
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 norm_ss: torch.Tensor | None = None, ss_out: torch.Tensor | None = None,
                  config: dict | None = None) -> torch.Tensor:
     """``y = act(norm(x) @ weight^T) (+ residual)`` in one kernel, for steps of few rows.
 
@@ -408,6 +434,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         out: where to write (default: a new tensor).
         out_dtype: dtype of a new output (default ``x``'s); the result is rounded to ``x``'s dtype
             first either way (fp32 logits of a bf16 LM head).
+        norm_ss: with ``norm_weight``: the partial sums of squares of ``x``'s rows that the kernel
+            which wrote ``x`` left in its ``ss_out`` (``[M, parts]`` fp32); the norm then skips its
+            pass over the row.
+        ss_out: write each output row's partial sums of squares here (``[M, ss_parts(N, K)]`` fp32),
+            for the next kernel's ``norm_ss``.
         config: overrides of :data:`LINEAR_CONFIG` (benchmarks).
 
     Returns:
@@ -425,11 +456,18 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     cfg = {**_linear_config(n, k, silu_mul), **(config or {})}
     bn = _block_n(n, cfg)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, FUSED_BLOCK_M))
-    _linear_kernel[grid](x, weight, out, norm_weight if norm_weight is not None else weight, res, m, n, k,
-                         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
+    if ss_out is not None and tuple(ss_out.shape) != (m, grid[0]):
+        raise ValueError(f"ss_out must be [{m}, {grid[0]}] (rows x column blocks), got {tuple(ss_out.shape)}")
+    parts_in = norm_ss.shape[1] if norm_ss is not None else 1
+    _linear_kernel[grid](x, weight, out, norm_weight if norm_weight is not None else weight, res,
+                         norm_ss if norm_ss is not None else out, ss_out if ss_out is not None else out, m, n, k,
+                         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps, parts_in,
                          HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
-                         IEEE=x.dtype == torch.float32, ONE_PASS=cfg["one_pass"], BLOCK_M=FUSED_BLOCK_M,
-                         BLOCK_N=bn, BLOCK_K=min(cfg["block_k"], max(16, triton.next_power_of_2(k))),
+                         IEEE=x.dtype == torch.float32, ONE_PASS=cfg["one_pass"],
+                         NORM_FROM_SS=norm_ss is not None and norm_weight is not None, WRITE_SS=ss_out is not None,
+                         BLOCK_M=FUSED_BLOCK_M, BLOCK_N=bn,
+                         BLOCK_K=min(cfg["block_k"], max(16, triton.next_power_of_2(k))),
+                         PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)),
                          NORM_BLOCK=min(cfg["norm_block_k"], max(16, triton.next_power_of_2(k))), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -437,7 +475,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
 def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, norm_weight: torch.Tensor,
                       eps: float, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+                      v_cache: torch.Tensor, norm_ss: torch.Tensor | None = None,
+                      config: dict | None = None) -> torch.Tensor:
     """RMSNorm, the fused QKV GEMM, RoPE on Q and K, and K/V stored at their cache slots: one kernel.
 
     Args:
@@ -447,6 +486,7 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor 
         num_heads, num_kv_heads, head_dim: H, Hkv, D (D even).
         cos, sin: tables ``[max_positions, D]``; positions: ``[T]``.
         slots: ``[T]`` cache slots; k_cache, v_cache: ``[num_slots, Hkv, D]``.
+        norm_ss: partial sums of squares of ``x``'s rows (see :func:`fused_linear`), or ``None``.
         config: overrides of :data:`QKV_CONFIG` (benchmarks).
 
     Returns:
@@ -459,11 +499,14 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor 
         cfg = {**QKV_CONFIG, **(config or {})}
         split = cfg["head_split"] if half % cfg["head_split"] == 0 and half // cfg["head_split"] >= 16 else 1
         grid = ((num_heads + 2 * num_kv_heads) * split, triton.cdiv(t, FUSED_BLOCK_M))
+        parts_in = norm_ss.shape[1] if norm_ss is not None else 1
         _qkv_rope_kernel[grid](
-            x, w_qkv, b_qkv if b_qkv is not None else w_qkv, norm_weight, q, k_cache, v_cache, cos, sin, positions,
+            x, w_qkv, b_qkv if b_qkv is not None else w_qkv, norm_weight, norm_ss if norm_ss is not None else q, q,
+            k_cache, v_cache, cos, sin, positions,
             slots, t, k, x.stride(0), w_qkv.stride(0), q.stride(0), cos.stride(0), k_cache.stride(0),
-            k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), num_heads, num_kv_heads, eps,
+            k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), num_heads, num_kv_heads, eps, parts_in,
             HAS_BIAS=b_qkv is not None, IEEE=x.dtype == torch.float32, ONE_PASS=cfg["one_pass"],
+            NORM_FROM_SS=norm_ss is not None, PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)),
             HEAD_DIM=head_dim, HALF=half, HEAD_SPLIT=split, BLOCK_H=max(16, triton.next_power_of_2(half // split)),
             BLOCK_M=FUSED_BLOCK_M,
             BLOCK_K=min(cfg["block_k"], max(16, triton.next_power_of_2(k))),

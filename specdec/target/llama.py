@@ -299,20 +299,23 @@ class LlamaTarget:
     def _forward_fused_gemm(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
         """The decoder in five fused kernels a layer plus attention (steps of few tokens): the
         residual stream is updated in place by the O and down projections' epilogues."""
-        from specdec.target.kernels import fused_linear, qkv_rope_write_kv
+        from specdec.target.kernels import fused_linear, qkv_rope_write_kv, ss_parts
 
         c = self.config
         T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps, wanted, captured = c.rms_norm_eps, set(hidden_layer_ids), {}
         x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream
+        # partial sums of squares of x's rows, left by the kernel that last wrote x for the next norm
+        ss_o = torch.empty(T, ss_parts(c.hidden_size, H * D), dtype=torch.float32, device=x.device)
+        ss_down = torch.empty(T, ss_parts(c.hidden_size, c.intermediate_size), dtype=torch.float32, device=x.device)
         for i, L in enumerate(self.layers):
             kc, vc = pool.k[i], pool.v[i]
             q = qkv_rope_write_kv(x, L.w_qkv, L.b_qkv, L.norm_in, eps, H, Hkv, D, self._cos, self._sin,
-                                  positions, attn.slot_mapping, kc, vc)
+                                  positions, attn.slot_mapping, kc, vc, norm_ss=ss_down if i else None)
             o = attn.attend(q, None, None, kc, vc, self.scale, D)
-            fused_linear(o.reshape(T, H * D), L.w_o, residual=x, out=x)
-            a = fused_linear(x, L.w_gate_up, norm_weight=L.norm_post, eps=eps, silu_mul=True)
-            fused_linear(a, L.w_down, residual=x, out=x)
+            fused_linear(o.reshape(T, H * D), L.w_o, residual=x, out=x, ss_out=ss_o)
+            a = fused_linear(x, L.w_gate_up, norm_weight=L.norm_post, eps=eps, silu_mul=True, norm_ss=ss_o)
+            fused_linear(a, L.w_down, residual=x, out=x, ss_out=ss_down)
             if i in wanted:
                 captured[i] = x.clone()
         return x, captured
