@@ -111,21 +111,16 @@ def all_buckets(policy: GraphPolicy, decode_only: bool = False,
     if policy.batch_invariant:
         b, v = policy.max_num_seqs, policy.verify_len
         return [(GraphKey(b, b * v, v, policy.max_context), [v] * b)]
-    out = []
+    out, seen, v = [], set(), policy.verify_len
     for kv in kvs:
-        for n in sorted({min(next_pow2(i), policy.max_num_seqs) for i in range(1, policy.max_num_seqs + 1)}):
-            out.append((GraphKey(n, n, 1, kv), [1] * n))
-            v = policy.verify_len
-            if decode_only or v == 1:
-                continue
-            seen = set()
-            for total in range(n + 1, n * v + 1):  # a verify step of `total` tokens (some request drafts)
-                q, extra = [1] * n, total - n
-                for i in range(n):
+        for r in range(1, policy.max_num_seqs + 1):  # steps of r requests, totals r (decode) .. r * v
+            for total in range(r, r + 1 if decode_only else r * v + 1):
+                q, extra = [1] * r, total - r
+                for i in range(r):
                     add = min(extra, v - 1)
                     q[i] += add
                     extra -= add
-                key, _ = graph_key(policy, q, [kv] * n)
+                key, _ = graph_key(policy, q, [kv] * r)
                 if key is not None and key not in seen:
                     seen.add(key)
                     out.append((key, q))
