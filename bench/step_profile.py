@@ -162,6 +162,7 @@ def main() -> None:
             params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(ids, params)  # warm-up: compiles, captures the buckets
             engine.timings.update({k: 0 for k in engine.timings})
+            engine.runner.stats.update(launch_s=0.0, wait_s=0.0)
             sync(args.device)
             t0 = time.perf_counter()
             outs = engine.generate(ids, params)
@@ -169,7 +170,9 @@ def main() -> None:
             wall = time.perf_counter() - t0
             steps = max(1, engine.timings["steps"])
             outputs[(mode, b)] = [list(o.token_ids) for o in outs]
+            st = engine.graph_stats
             row = {"mode": mode, "batch": b, "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+                   "launch_us_per_step": 1e6 * st["launch_s"] / steps, "wait_us_per_step": 1e6 * st["wait_s"] / steps,
                    "forward_ms_per_step": 1e3 * engine.timings["forward_s"] / steps,
                    "step_ms": 1e3 * wall / steps, "replay_us": replay_us(engine, args.device, args.reps),
                    "graph_steps": engine.graph_stats["graph_steps"], "steps": steps}
@@ -187,11 +190,12 @@ def main() -> None:
     head = (f"`python bench/step_profile.py {' '.join(sys.argv[1:])}` — {dev}, {datetime.date.today()}, "
             f"torch {torch.__version__}, {args.dtype}, SmolLM2-135M shape with random weights, prompts of "
             f"{args.prompt_len}+ tokens, {args.new_tokens} new tokens (ignore_eos)")
-    md = [head, "", "| path | batch | replay µs | forward ms / step | step ms (wall) | tokens/s | graph steps |",
-          "|---|---|---|---|---|---|---|"]
+    md = [head, "", "| path | batch | replay µs | forward ms / step (launch µs + wait µs) | step ms (wall) | "
+          "tokens/s | graph steps |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         rep = f"{r['replay_us']:.0f}" if r["replay_us"] else "-"
-        md.append(f"| {r['mode']} | {r['batch']} | {rep} | {r['forward_ms_per_step']:.3f} | {r['step_ms']:.3f} | "
+        md.append(f"| {r['mode']} | {r['batch']} | {rep} | {r['forward_ms_per_step']:.3f} "
+                  f"({r['launch_us_per_step']:.0f} + {r['wait_us_per_step']:.0f}) | {r['step_ms']:.3f} | "
                   f"{r['tokens_per_s']:.1f} | {r['graph_steps']}/{r['steps']} |")
     for mode, p in profiles.items():
         if not p:

@@ -21,7 +21,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
 from specdec.attention.selector import select
-from specdec.graphs import INVARIANT_SPLIT_CHUNK, GraphKey, GraphPolicy, graph_key, pad_step
+from specdec.graphs import INVARIANT_SPLIT_CHUNK, GraphKey, GraphPolicy, graph_key
 
 
 @dataclass(slots=True)
@@ -74,6 +74,11 @@ class _Captured:
     meta_dev: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple = field(default_factory=tuple)  # logits, argmax, hidden
+    tokens_np: object = None  # NumPy views of the pinned buffers (the host writes there)
+    meta_np: object = None
+
+    def __post_init__(self) -> None:
+        self.tokens_np, self.meta_np = self.tokens_host.numpy(), self.meta_host.numpy()
 
 
 class ModelRunner:
@@ -100,8 +105,9 @@ class ModelRunner:
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool = None
         # graph/eager step counts, why steps ran eagerly, captures, and which backend ran each phase
+        # host time: queueing a step (inputs, launches) and waiting for its argmax
         self.stats = {"graph_steps": 0, "eager_steps": 0, "graphs_captured": 0, "capture_s": 0.0,
-                      "eager_reasons": Counter(), "backends": Counter()}
+                      "eager_reasons": Counter(), "backends": Counter(), "launch_s": 0.0, "wait_s": 0.0}
         if policy is None:
             self._no_graph = "cuda_graphs disabled"
         elif target.device.type != "cuda":
@@ -123,12 +129,15 @@ class ModelRunner:
     def finish(self, result: StepResult) -> StepResult:
         """Wait for a launched step: its argmax reaches the host (the step's one synchronisation)."""
         if isinstance(result.argmax, torch.Tensor):
+            t0 = time.perf_counter()
             result.argmax = result.argmax.tolist()
+            self.stats["wait_s"] += time.perf_counter() - t0
         return result
 
     def launch(self, step: StepInput) -> StepResult:
         """Queue the target's forward over ``step`` on the device and return without waiting:
         ``argmax`` is still a device tensor until :meth:`finish` (host work may run meanwhile)."""
+        t0 = time.perf_counter()
         why = self._no_graph or ("a context phase in the step" if step.context else "")
         key = None
         if not why:
@@ -147,6 +156,7 @@ class ModelRunner:
             result = self._replay(key, backend, step)
         for phase, name in result.backends.items():
             self.stats["backends"][f"{phase}:{name}"] += 1
+        self.stats["launch_s"] += time.perf_counter() - t0
         return result
 
     def capture_buckets(self, decode_only: bool = False, max_kv_len: int | None = None, progress=None) -> int:
@@ -215,14 +225,21 @@ class ModelRunner:
                           None if aux is None else aux[:n], {"generation": g.backend.name}, graph=True)
 
     def _fill(self, g: _Captured, step: StepInput) -> None:
-        """Copy the step's (padded) inputs into the graph's static buffers: two async copies."""
-        ids, pos, slots = pad_step(g.key, step.input_ids, step.positions, step.slots, self.scratch_slot)
-        g.tokens_host.copy_(torch.tensor([ids, pos, slots], dtype=torch.long))
-        gen = step.generation
-        rows = g.backend.pack_meta([s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen], self.tpb,
-                                   g.meta_host.shape[1])
-        rows += [[0] * g.meta_host.shape[1]] * (g.key.num_seqs - len(rows))  # q_len 0: the kernel skips them
-        g.meta_host.copy_(torch.tensor(rows, dtype=torch.int32))
+        """Write the step's (padded) inputs into the graph's pinned buffers (their NumPy views), then
+        two async copies to the device."""
+        n, gen = len(step.input_ids), step.generation
+        if n > g.key.num_tokens:
+            raise ValueError(f"step has {n} tokens, more than its bucket's {g.key.num_tokens}")
+        tok = g.tokens_np
+        tok[0, :n], tok[1, :n], tok[2, :n] = step.input_ids, step.positions, step.slots
+        tok[0, n:], tok[1, n:], tok[2, n:] = 0, 0, self.scratch_slot  # padding: token 0 at position 0, scratch slot
+        args = ([s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen])
+        if hasattr(g.backend, "pack_meta_into"):
+            g.backend.pack_meta_into(g.meta_np, *args, self.tpb)
+        else:
+            rows = g.backend.pack_meta(*args, self.tpb, g.meta_host.shape[1])
+            rows += [[0] * g.meta_host.shape[1]] * (g.key.num_seqs - len(rows))  # q_len 0: the kernel skips them
+            g.meta_host.copy_(torch.tensor(rows, dtype=torch.int32))
         g.tokens_dev.copy_(g.tokens_host, non_blocking=True)
         g.meta_dev.copy_(g.meta_host, non_blocking=True)
 

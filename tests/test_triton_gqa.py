@@ -535,3 +535,43 @@ class TestOnGPU:
             assert set(engine.attention_backends.values()) == {"triton_gqa"}
             auto, engine = greedy_tokens(target, None, prompts, 40, tokens_per_block=tpb)
             assert auto == ref and set(engine.attention_backends.values()) == {"triton_gqa"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 200)), min_size=1, max_size=8), st.integers(0, 3),
+       st.sampled_from([1, 4, 16]))
+def test_pack_meta_into_writes_pack_meta_rows_into_a_reused_buffer(reqs, spare_rows, tpb):
+    """What the graph runner writes into its pinned buffer step after step: the rows pack_meta
+    gives (page columns up to each kv_len), q_len 0 on the spare rows, whatever the buffer held."""
+    import numpy as np
+
+    from specdec.attention.backends.triton_gqa import pack_meta, pack_meta_into
+
+    q_lens = [q for q, _ in reqs]
+    kv_lens = [q + extra for q, extra in reqs]
+    tables = [tuple(range(100 * i, 100 * i + -(-kv // tpb))) for i, kv in enumerate(kv_lens)]
+    width = 3 + max(-(-kv // tpb) for kv in kv_lens) + 2
+    want = pack_meta(q_lens, kv_lens, tables, tpb, width)
+    buf = np.full((len(reqs) + spare_rows, width), 77, dtype=np.int32)  # stale values of an earlier step
+    pack_meta_into(buf, q_lens, kv_lens, tables, tpb)
+    for i, (row, kv) in enumerate(zip(want, kv_lens)):
+        used = 3 + -(-kv // tpb)
+        assert buf[i, :used].tolist() == row[:used]
+    assert (buf[len(reqs):, 1] == 0).all()
+
+
+def test_pack_meta_into_refuses_what_pack_meta_refuses():
+    import numpy as np
+
+    from specdec.attention.backends.triton_gqa import pack_meta_into
+    from specdec.errors import ConfigError
+
+    buf = np.zeros((2, 3 + 4), dtype=np.int32)
+    with pytest.raises(ConfigError, match="q_len <= kv_len"):
+        pack_meta_into(buf, [5], [3], [(0,)], 4)
+    with pytest.raises(ConfigError, match="page table has 1 pages"):
+        pack_meta_into(buf, [1], [9], [(0,)], 4)
+    with pytest.raises(ConfigError, match="more than the 4 columns"):
+        pack_meta_into(buf, [1], [40], [tuple(range(10))], 4)
+    with pytest.raises(ConfigError, match="more than the buffer's 2 rows"):
+        pack_meta_into(buf, [1, 1, 1], [4, 4, 4], [(0,)] * 3, 4)
