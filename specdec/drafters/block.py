@@ -122,14 +122,54 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE at integer positions. ``x``: ``[..., heads, D]``; ``pos``: ``x.shape[:-2]``."""
+def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rotate-half RoPE factors at integer positions: ``pos`` ``[...]`` → cos, sin ``[..., 1, dim]``.
+
+    The one place they are computed, so that per-call factors (:func:`_rope`) and a
+    precomputed :class:`RopeTable` are the same numbers.
+    """
+    dev = pos.device if device is None else device
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=dev, dtype=torch.float32) / dim))
+    ang = pos.to(torch.float32)[..., None] * inv  # [..., dim/2]
+    return torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([ang.sin()] * 2, -1).unsqueeze(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE factors from :func:`rope_cos_sin` to ``x`` ``[..., heads, D]`` (fp32 math, one rounding)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = pos.to(torch.float32)[..., None] * inv  # [..., D/2]
-    cos, sin = torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([ang.sin()] * 2, -1).unsqueeze(-2)
     rot = torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1)
     return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE at integer positions. ``x``: ``[..., heads, D]``; ``pos``: ``x.shape[:-2]``."""
+    return rotate(x, *rope_cos_sin(pos, x.shape[-1], theta, x.device))
+
+
+class RopeTable:
+    """cos / sin of positions ``0 .. length-1``, computed once (:func:`rope_cos_sin`, fp32).
+
+    Looking positions up gives the very numbers :func:`_rope` computes per call, on the
+    same device, so a drafter reading the table drafts exactly as before.
+    """
+
+    def __init__(self, dim: int, theta: float, length: int, device: torch.device | str):
+        self.dim, self.theta, self.length = dim, theta, length
+        self.cos, self.sin = rope_cos_sin(torch.arange(length, device=device), dim, theta)  # [length, 1, dim] each
+
+    def __call__(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pos`` ``[...]`` (all ``< length``) → cos, sin ``[..., 1, dim]``."""
+        return self.cos[pos], self.sin[pos]
+
+
+def block_mask(ctx_valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Attention mask of a block over ``[context ; block]``: ``[N, Lc]`` → ``[N, 1, 1, Lc + B]``, True = attend.
+
+    Slots see every valid context key and every slot of their block (no causal mask inside it).
+    """
+    N = ctx_valid.shape[0]
+    return torch.cat([ctx_valid, ctx_valid.new_ones(N, block_size)], 1)[:, None, None, :]
 
 
 class _Norm(nn.Module):
@@ -180,12 +220,22 @@ class BlockDrafterNet(nn.Module):
         """``[n, len(target_layer_ids) * target_hidden]`` → context features ``[n, hidden]``."""
         return _rms(self.fc(target_hidden.to(self.fc.weight.dtype)), self.hidden_norm.weight, self.config.rms_norm_eps)
 
-    def context_kv(self, i: int, ctx: torch.Tensor, positions: torch.Tensor):
-        """Layer ``i``'s K (roped) and V of context features: ``[n, Hkv, hd]`` each."""
+    def context_kv(self, i: int, ctx: torch.Tensor, positions: torch.Tensor, rope=None):
+        """Layer ``i``'s K (roped) and V of context features: ``[n, Hkv, hd]`` each.
+
+        ``rope``: the positions' ``(cos, sin)`` if already looked up (:class:`RopeTable`), else computed.
+        """
         c, L = self.config, self.layers[i]
         k = L.qk(ctx, c, c.num_kv_heads, "k")
         v = L.self_attn.v_proj(ctx).view(*ctx.shape[:-1], c.num_kv_heads, c.head_dim)
-        return _rope(k, positions, c.rope_theta), v
+        if rope is None:
+            rope = rope_cos_sin(positions, c.head_dim, c.rope_theta, k.device)
+        return rotate(k, *rope), v
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates (one head)."""
+        return self.config.head_dim
 
     def forward_block(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, ctx_valid: torch.Tensor) -> torch.Tensor:
         """Run the block through every layer.
@@ -200,12 +250,28 @@ class BlockDrafterNet(nn.Module):
             normalised hidden states ``[N, B, hidden]`` (feed to the target's LM head).
         """
         c = self.config
+        rope = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.device)
+        return self.run_block(x, rope, ctx_kv, block_mask(ctx_valid, x.shape[1]))
+
+    def run_block(self, x: torch.Tensor, rope, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_block` with its RoPE factors and mask already made (the drafter's
+        inference path: factors looked up in a :class:`RopeTable`, no host work, capturable).
+
+        Args:
+            x: block embeddings ``[N, B, hidden]``.
+            rope: ``(cos, sin)``, each ``[N, B, 1, head_dim]`` fp32, of the slots' positions.
+            ctx_kv: per layer ``(k, v)``, each ``[N or 1, Lc, Hkv, hd]``.
+            mask: ``[N, 1, 1, Lc + B]`` (:func:`block_mask`).
+
+        Returns:
+            normalised hidden states ``[N, B, hidden]``.
+        """
+        c = self.config
         N, B, _ = x.shape
-        mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, B)], 1)[:, None, None, :]  # [N, 1, 1, Lc + B]
         for L, (kc, vc) in zip(self.layers, ctx_kv):
             h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
-            q = _rope(L.qk(h, c, c.num_heads, "q"), positions, c.rope_theta)
-            k = _rope(L.qk(h, c, c.num_kv_heads, "k"), positions, c.rope_theta)
+            q = rotate(L.qk(h, c, c.num_heads, "q"), *rope)
+            k = rotate(L.qk(h, c, c.num_kv_heads, "k"), *rope)
             v = L.self_attn.v_proj(h).view(N, B, c.num_kv_heads, c.head_dim)
             k = torch.cat([kc.expand(N, -1, -1, -1).to(k.dtype), k], 1).transpose(1, 2)  # [N, Hkv, Lc + B, hd]
             v = torch.cat([vc.expand(N, -1, -1, -1).to(v.dtype), v], 1).transpose(1, 2)

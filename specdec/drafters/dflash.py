@@ -6,22 +6,55 @@ drafter's own KV layers, page by page, written only for accepted positions
 (:meth:`BlockDrafter.on_context`); where those layers live (appended to the
 target's pool or a pool of their own) is the scheduler's decision, read from
 the hooks below.
+
+``propose`` packs everything it needs from the host into one integer array
+(block tokens, slot positions, context lengths, page tables), copies it to the
+device once, builds the gather index there, looks RoPE factors up in a table
+made at :meth:`BlockDrafter.bind`, and synchronises once, for the drafted
+tokens. On CUDA its shapes are padded into buckets (requests to a power of
+two, context keys to a multiple of :data:`CTX_BUCKET`, padding masked out) so
+that they recur: attention plans are reused and each bucket's forward is
+captured once as a CUDA graph and replayed (``cuda_graphs``). On the CPU
+nothing is padded and no graph is used.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from specdec.drafters.base import Draft, Drafter, register_drafter
-from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, output_slots
+from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, register_drafter
+from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, RopeTable, block_mask, output_slots
 from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
 from specdec.kvcache.pool import LayerSpec
 
 #: Drafters shipped in the package, by name.
 SHIPPED_DIR = Path(__file__).resolve().parent / "checkpoints"
+
+#: Padded proposes read a multiple of this many context keys (CUDA).
+CTX_BUCKET = 256
+#: Most requests a padded propose (and a captured graph) holds; more run unpadded, eagerly.
+MAX_PADDED_REQUESTS = 256
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(slots=True)
+class _ProposeGraph:
+    """A captured propose of one bucket: static inputs in, drafted tokens out."""
+
+    host: torch.Tensor  # pinned [rows, 2 * B + 1 + pages] int64, packed inputs (BlockDrafter._pack)
+    dev: torch.Tensor  # the same on the device, read by the graph
+    graph: "torch.cuda.CUDAGraph | None" = None
+    tokens: torch.Tensor | None = None  # [rows, draft_width] int64
 
 
 class BlockDrafter(Drafter):
@@ -29,6 +62,9 @@ class BlockDrafter(Drafter):
 
     Args:
         net: the trained network (its config decides block size and shift_label).
+        cuda_graphs: on CUDA, replay a captured graph per bucket of (requests, context
+            keys) instead of launching the network eagerly; an attribute, may be changed
+            between calls. ``stats`` counts graph and eager proposes (and why eager).
     """
 
     reads_helix_sharded_ctx_pages = False
@@ -38,7 +74,7 @@ class BlockDrafter(Drafter):
     #: Shipped checkpoint used when no network is given.
     default_checkpoint: str | None = None
 
-    def __init__(self, net: BlockDrafterNet | str | Path | None = None):
+    def __init__(self, net: BlockDrafterNet | str | Path | None = None, cuda_graphs: bool = True):
         if net is None:
             if self.default_checkpoint is None:
                 raise ConfigError(f"{type(self).__name__} needs a network or a checkpoint path (net=...)")
@@ -58,9 +94,18 @@ class BlockDrafter(Drafter):
         self._ctx_len: dict[str, int] = {}
         self.kv = None
         self._embed = self._lm_head = None
+        self.cuda_graphs = cuda_graphs
+        #: pad shapes into buckets (set at bind: True on CUDA); tests may set it on the CPU
+        self.pad_shapes = False
+        self.stats = {"graph_proposes": 0, "eager_proposes": 0, "graphs_captured": 0, "capture_s": 0.0,
+                      "eager_reasons": Counter()}
+        self._rope: RopeTable | None = None
+        self._iota: torch.Tensor | None = None
+        self._graphs: dict[tuple[int, int], _ProposeGraph] = {}
+        self._mempool = None
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path) -> "BlockDrafter":
+    def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True) -> "BlockDrafter":
         """Load a shipped drafter by name (e.g. ``"smollm2-135m-dflash"``) or a checkpoint directory.
 
         Raises:
@@ -73,7 +118,7 @@ class BlockDrafter(Drafter):
             shipped = sorted(p.name for p in SHIPPED_DIR.iterdir()) if SHIPPED_DIR.is_dir() else []
             raise CheckpointError(f"drafter must be one of {shipped} or a checkpoint directory, got {str(name_or_path)!r}")
         net = cls.net_class.load(path)
-        return cls(net)
+        return cls(net, cuda_graphs=cuda_graphs)
 
     expected_shift: int | None = None
 
@@ -99,6 +144,16 @@ class BlockDrafter(Drafter):
             raise ConfigError(f"target_layer_ids must be in [0, {target.num_layers}), got {list(c.target_layer_ids)}")
         self.net.to(device=target.device, dtype=target.dtype)
         self._embed, self._lm_head, self.kv = target.embed, target.lm_head, kv
+        self.pad_shapes = target.device.type == "cuda"
+        # slot positions reach max_context + block_size - 1
+        self._make_tables(target.max_context + c.block_size)
+
+    def _make_tables(self, length: int) -> None:
+        """RoPE factors of positions ``< length`` and an index ramp, on the device (drops captured graphs)."""
+        dev = self._embed.device
+        self._rope = RopeTable(self.net.rope_dim, self.config.rope_theta, length, dev)
+        self._iota = torch.arange(length + CTX_BUCKET + self.kv.tokens_per_block, device=dev)
+        self._graphs.clear()
 
     def start_request(self, req_id: str, prompt_token_ids: Sequence[int]) -> None:
         self._tokens[req_id] = list(prompt_token_ids)
@@ -123,13 +178,15 @@ class BlockDrafter(Drafter):
             self._ctx_len[req_id] = start + n
         if not rows:
             return
-        dev = hidden.device
-        picked = hidden if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1 else \
-            hidden[torch.tensor(rows, device=dev)]
-        ctx = self.net.project_context(picked)  # [n, hidden]
-        slots_t, pos_t = torch.tensor(slots, device=dev), torch.tensor(pos, device=dev)
+        if max(pos) >= self._rope.length:
+            self._make_tables(max(pos) + 1)
+        dense = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
+        idx = self._to_device(torch.tensor([slots, pos] if dense else [slots, pos, rows], dtype=torch.long))
+        slots_t, pos_t = idx[0], idx[1]
+        ctx = self.net.project_context(hidden if dense else hidden[idx[2]])  # [n, hidden]
+        rope = self._rope(pos_t)
         for i in range(self.config.num_layers):
-            k, v = self.net.context_kv(i, ctx, pos_t)  # v is None for a K-only (latent) layer
+            k, v = self.net.context_kv(i, ctx, pos_t, rope)  # v is None for a K-only (latent) layer
             self.kv.k(i).index_copy_(0, slots_t, k.to(self.kv.k(i).dtype))
             if v is not None:
                 self.kv.v(i).index_copy_(0, slots_t, v.to(self.kv.v(i).dtype))
@@ -147,37 +204,122 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
+        """Draft up to ``max_tokens`` tokens for every request: one network pass over the whole
+        batch, one host-to-device copy, one synchronisation (the drafted tokens)."""
         if self.kv is None:
             raise ConfigError("BlockDrafter.propose before bind(): build a SpecEngine with this drafter")
-        c, dev = self.config, self._embed.device
-        B, N = c.block_size, len(req_ids)
-        anchors = [self._tokens[r][-1] for r in req_ids]
+        width = min(max_tokens, self.config.draft_width)
+        if not req_ids or width <= 0:
+            return [EMPTY_DRAFT for _ in req_ids]
         ctx_lens = [self._ctx_len[r] for r in req_ids]
-        ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=dev)
-        ids[:, 0] = torch.tensor(anchors, device=dev)
-        # the anchor sits right after the written context
-        positions = torch.tensor(ctx_lens, device=dev)[:, None] + torch.arange(B, device=dev)
-        gather, valid = self._gather_index(req_ids, ctx_lens, dev)
-        ctx_kv = [(self.kv.k(i)[gather], None if self.kv.v(i) is None else self.kv.v(i)[gather])
-                  for i in range(c.num_layers)]
-        h = self.net.forward_block(self._embed[ids], positions, ctx_kv, valid)  # [N, B, hidden]
-        slots = list(self._slots)[:max_tokens]
-        logits = torch.nn.functional.linear(h[:, slots], self._lm_head)  # [N, width, vocab]
-        tokens = logits.argmax(-1).tolist()
-        return [Draft(tuple(t)) for t in tokens]
+        n, cols = len(req_ids), max(1, max(ctx_lens))
+        if cols + self.config.block_size > self._rope.length:
+            self._make_tables(cols + self.config.block_size)
+        rows = n
+        if self.pad_shapes and n <= MAX_PADDED_REQUESTS:  # shapes recur: plans and graphs are reused
+            rows, cols = _next_pow2(n), -(-cols // CTX_BUCKET) * CTX_BUCKET
+        packed = self._pack(req_ids, ctx_lens, rows, cols)
+        why = self._why_eager(n)
+        if why:
+            self.stats["eager_proposes"] += 1
+            self.stats["eager_reasons"][why] += 1
+            tokens = self._draft(self._to_device(packed), cols, width)
+        else:
+            self.stats["graph_proposes"] += 1
+            tokens = self._replay(packed, cols)[:, :width]
+        return [Draft(tuple(t)) for t in tokens[:n].tolist()]
 
-    def _gather_index(self, req_ids, ctx_lens, dev):
-        """Slots of every request's context, padded: ``[N, max_ctx]`` and its validity mask."""
-        tpb, width = self.kv.tokens_per_block, max(1, max(ctx_lens))
-        gather = torch.zeros(len(req_ids), width, dtype=torch.long)
-        valid = torch.zeros(len(req_ids), width, dtype=torch.bool)
-        offs = torch.arange(tpb)
-        for i, (r, n) in enumerate(zip(req_ids, ctx_lens)):
-            if n:
-                pages = torch.tensor(self.kv.page_table(r)[: -(-n // tpb)])
-                gather[i, :n] = (pages[:, None] * tpb + offs).flatten()[:n]
-                valid[i, :n] = True
-        return gather.to(dev), valid.to(dev)
+    def _why_eager(self, n: int) -> str:
+        """Why this propose cannot replay a graph ("" when it can)."""
+        if not self.cuda_graphs:
+            return "cuda_graphs disabled"
+        if self._embed.device.type != "cuda":
+            return f"device is {self._embed.device.type}, graphs need cuda"
+        if n > MAX_PADDED_REQUESTS:
+            return f"{n} requests > {MAX_PADDED_REQUESTS}"
+        if not self.pad_shapes:
+            return "pad_shapes is off"
+        return ""
+
+    def _pack(self, req_ids, ctx_lens, rows: int, cols: int) -> torch.Tensor:
+        """What propose needs from the host, one int64 row per request, built in one go.
+
+        Row: block token ids ``[B]`` (anchor, then mask tokens), slot positions ``[B]``, context
+        length ``[1]``, page table ``[ceil(cols / tokens_per_block)]`` (0-padded). Rows past
+        ``len(req_ids)`` are padding: an empty context, never read back.
+
+        Returns:
+            ``[rows, 2 * B + 1 + pages]`` on the host.
+        """
+        c, tpb = self.config, self.kv.tokens_per_block
+        B, P = c.block_size, -(-cols // tpb)
+        masks = [c.mask_token_id] * (B - 1)
+        out = []
+        for r, n in zip(req_ids, ctx_lens):
+            pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
+            out.append([self._tokens[r][-1], *masks, *range(n, n + B), n, *pages, *[0] * (P - len(pages))])
+        out += [[c.mask_token_id, *masks, *range(B), 0, *[0] * P]] * (rows - len(out))
+        return torch.tensor(out, dtype=torch.long)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """One asynchronous copy (from pinned memory on CUDA)."""
+        dev = self._embed.device
+        if dev.type != "cuda":
+            return host.to(dev)
+        return host.pin_memory().to(dev, non_blocking=True)
+
+    def _draft(self, packed: torch.Tensor, cols: int, width: int) -> torch.Tensor:
+        """Drafted tokens ``[rows, width]`` from packed inputs on the device; no host work, no
+        synchronisation (this is what a graph captures).
+
+        Args:
+            packed: :meth:`_pack`'s array on the device, ``[rows, 2 * B + 1 + pages]``.
+            cols: context keys to read per request (``<= pages * tokens_per_block``).
+            width: draft slots to decode (``<= draft_width``).
+        """
+        c, tpb, B = self.config, self.kv.tokens_per_block, self.config.block_size
+        ids, pos, lens, pages = packed[:, :B], packed[:, B:2 * B], packed[:, 2 * B:2 * B + 1], packed[:, 2 * B + 1:]
+        slots = (pages[:, :, None] * tpb + self._iota[:tpb]).flatten(1)[:, :cols]  # [rows, cols]
+        valid = self._iota[:cols] < lens  # [rows, cols]; keys past a context are read, then masked out
+        ctx_kv = [(self.kv.k(i)[slots], None if self.kv.v(i) is None else self.kv.v(i)[slots])
+                  for i in range(c.num_layers)]  # [rows, cols, Hkv, hd] each
+        h = self.net.run_block(self._embed[ids], self._rope(pos), ctx_kv, block_mask(valid, B))  # [rows, B, hidden]
+        first = self._slots.start
+        h = h[:, first:first + width].reshape(-1, h.shape[-1])  # [rows * width, hidden]
+        return F.linear(h, self._lm_head).argmax(-1).view(-1, width)
+
+    def _replay(self, packed: torch.Tensor, cols: int) -> torch.Tensor:
+        """Drafted tokens ``[rows, draft_width]`` of the bucket's graph (captured on first use)."""
+        key = (packed.shape[0], cols)
+        g = self._graphs.get(key)
+        if g is None:
+            return self._capture(key, packed).tokens
+        g.host.copy_(packed)
+        g.dev.copy_(g.host, non_blocking=True)
+        g.graph.replay()
+        return g.tokens
+
+    def _capture(self, key: tuple[int, int], packed: torch.Tensor) -> _ProposeGraph:
+        """Capture the bucket's graph; its warm-up (kernels compiled, plans made) runs outside it."""
+        t0 = time.perf_counter()
+        dev, cols, width = self._embed.device, key[1], self.config.draft_width
+        g = _ProposeGraph(packed.pin_memory(), torch.empty(packed.shape, dtype=torch.long, device=dev))
+        g.dev.copy_(g.host, non_blocking=True)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._draft(g.dev, cols, width)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self._mempool):
+            g.tokens = self._draft(g.dev, cols, width)
+        g.graph.replay()
+        self._graphs[key] = g
+        self.stats["graphs_captured"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        return g
 
 
 @register_drafter("dflash")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters.base import register_drafter
-from specdec.drafters.block import _linear, _Norm, _rms, _rope, output_slots
+from specdec.drafters.block import _linear, _Norm, _rms, block_mask, output_slots, rope_cos_sin, rotate
 from specdec.drafters.dflash import BlockDrafter
 from specdec.errors import CheckpointError, ConfigError
 from specdec.kvcache.pool import LayerSpec
@@ -123,12 +123,15 @@ class _MLALayer(nn.Module):
         m.gate_proj, m.up_proj = _linear(D, c.intermediate_size), _linear(D, c.intermediate_size)
         m.down_proj = _linear(c.intermediate_size, D)
 
-    def latent(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """What a position caches: ``[..., hidden]`` → ``[..., 1, r + rope]`` (``c_kv``, then roped ``k_rope``)."""
+    def latent(self, h: torch.Tensor, rope) -> torch.Tensor:
+        """What a position caches: ``[..., hidden]`` → ``[..., 1, r + rope]`` (``c_kv``, then roped ``k_rope``).
+
+        ``rope``: ``(cos, sin)`` ``[..., 1, qk_rope_head_dim]`` of the positions (:func:`rope_cos_sin`).
+        """
         c = self.c
         c_kv, k_rope = self.self_attn.kv_a_proj_with_mqa(h).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = _rms(c_kv, self.self_attn.kv_a_layernorm.weight, c.rms_norm_eps)
-        return torch.cat([c_kv[..., None, :], _rope(k_rope[..., None, :], positions, c.rope_theta)], -1)
+        return torch.cat([c_kv[..., None, :], rotate(k_rope[..., None, :], *rope)], -1)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK`` ``[H, nope, r]`` and ``W_UV`` ``[H, v, r]`` from ``kv_b_proj``."""
@@ -136,13 +139,12 @@ class _MLALayer(nn.Module):
         w = self.self_attn.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-    def attention(self, h: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, rope, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Absorbed MLA of the block over ``[context ; block]`` latents.
 
         Args:
             h: normalised block states ``[N, B, hidden]``.
-            positions: ``[N, B]``.
+            rope: ``(cos, sin)``, each ``[N, B, 1, qk_rope_head_dim]``, of the slots' positions.
             ctx: context latents ``[N or 1, Lc, 1, r + rope]``.
             mask: ``[N, 1, 1, Lc + B]``, True = attend.
 
@@ -155,8 +157,8 @@ class _MLALayer(nn.Module):
         w_uk, w_uv = self._kv_b()
         q_nope, q_rope = self.self_attn.q_proj(h).view(N, B, H, -1).split([nope, c.qk_rope_head_dim], -1)
         q_lat = torch.einsum("nbhd,hdr->nbhr", q_nope, w_uk)  # [N, B, H, r]
-        q = torch.cat([q_lat, _rope(q_rope, positions, c.rope_theta)], -1)  # [N, B, H, r + rope]
-        k = torch.cat([ctx.expand(N, -1, -1, -1).to(q.dtype), self.latent(h, positions)], 1)  # [N, Lc + B, 1, r + rope]
+        q = torch.cat([q_lat, rotate(q_rope, *rope)], -1)  # [N, B, H, r + rope]
+        k = torch.cat([ctx.expand(N, -1, -1, -1).to(q.dtype), self.latent(h, rope)], 1)  # [N, Lc + B, 1, r + rope]
         k = k.transpose(1, 2)  # [N, 1, Lc + B, r + rope]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, k[..., :r], attn_mask=mask,
                                            scale=(nope + c.qk_rope_head_dim) ** -0.5,
@@ -184,9 +186,20 @@ class MLABlockDrafterNet(nn.Module):
         """``[n, len(target_layer_ids) * target_hidden]`` → context features ``[n, hidden]``."""
         return _rms(self.fc(target_hidden.to(self.fc.weight.dtype)), self.hidden_norm.weight, self.config.rms_norm_eps)
 
-    def context_kv(self, i: int, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """Layer ``i``'s cached latent of context features ``[..., hidden]``: ``([..., 1, r + rope], None)``."""
-        return self.layers[i].latent(ctx, positions), None
+    def context_kv(self, i: int, ctx: torch.Tensor, positions: torch.Tensor, rope=None) -> tuple[torch.Tensor, None]:
+        """Layer ``i``'s cached latent of context features ``[..., hidden]``: ``([..., 1, r + rope], None)``.
+
+        ``rope``: the positions' ``(cos, sin)`` if already looked up, else computed.
+        """
+        c = self.config
+        if rope is None:
+            rope = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, ctx.device)
+        return self.layers[i].latent(ctx, rope), None
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates (``qk_rope_head_dim``)."""
+        return self.config.qk_rope_head_dim
 
     def forward_block(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, ctx_valid: torch.Tensor) -> torch.Tensor:
         """Run the block through every layer.
@@ -201,10 +214,22 @@ class MLABlockDrafterNet(nn.Module):
             normalised hidden states ``[N, B, hidden]`` (feed to the target's LM head).
         """
         c = self.config
-        N, B, _ = x.shape
-        mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, B)], 1)[:, None, None, :]  # [N, 1, 1, Lc + B]
+        rope = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, x.device)
+        return self.run_block(x, rope, ctx_kv, block_mask(ctx_valid, x.shape[1]))
+
+    def run_block(self, x: torch.Tensor, rope, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_block` with its RoPE factors and mask already made (see
+        :meth:`specdec.drafters.block.BlockDrafterNet.run_block`).
+
+        Args:
+            x: block embeddings ``[N, B, hidden]``.
+            rope: ``(cos, sin)``, each ``[N, B, 1, qk_rope_head_dim]`` fp32.
+            ctx_kv: per layer ``(latent, None)``, latent ``[N or 1, Lc, 1, r + rope]``.
+            mask: ``[N, 1, 1, Lc + B]`` (:func:`~specdec.drafters.block.block_mask`).
+        """
+        c = self.config
         for L, (latent, _) in zip(self.layers, ctx_kv):
-            x = x + L.attention(_rms(x, L.input_layernorm.weight, c.rms_norm_eps), positions, latent, mask)
+            x = x + L.attention(_rms(x, L.input_layernorm.weight, c.rms_norm_eps), rope, latent, mask)
             h = _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps)
             m = L.mlp
             x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))

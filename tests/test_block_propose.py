@@ -1,0 +1,375 @@
+"""Block drafters' batched propose (one packed copy, RoPE tables, padded buckets, CUDA graphs)
+drafts exactly what the algorithm it replaced drafted.
+
+The reference below is a frozen copy of that algorithm: a per-request gather index,
+RoPE factors recomputed per call and layer, the old layer loops. On the CPU in fp32 the
+new path must give the same drafts and bit-identical hidden states; padded shapes the
+same drafts (padding rows and keys are masked out). On CUDA, graph replays equal eager runs.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, RopeTable, _rms, init_weights,
+                                    rope_cos_sin)
+from specdec.drafters.dflash import CTX_BUCKET, DFlashDrafter, DSparkDrafter
+from specdec.drafters.dspark_mla import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSparkDrafter
+from specdec.kvcache import KVCacheManager, KVPool
+from specdec.kvcache.draft_kv import DraftKV
+
+HAS_CUDA = torch.cuda.is_available()
+VOCAB, HIDDEN, TARGET_LAYERS = 96, 32, 3
+
+
+# --------------------------------------------------------------------------- the replaced algorithm (frozen)
+
+
+def _old_rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = pos.to(torch.float32)[..., None] * inv  # [..., D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([ang.sin()] * 2, -1).unsqueeze(-2)
+    rot = torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+def _old_forward_gqa(net, x, positions, ctx_kv, ctx_valid):
+    c = net.config
+    N, B, _ = x.shape
+    mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, B)], 1)[:, None, None, :]
+    for L, (kc, vc) in zip(net.layers, ctx_kv):
+        h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
+        q = _old_rope(L.qk(h, c, c.num_heads, "q"), positions, c.rope_theta)
+        k = _old_rope(L.qk(h, c, c.num_kv_heads, "k"), positions, c.rope_theta)
+        v = L.self_attn.v_proj(h).view(N, B, c.num_kv_heads, c.head_dim)
+        k = torch.cat([kc.expand(N, -1, -1, -1).to(k.dtype), k], 1).transpose(1, 2)
+        v = torch.cat([vc.expand(N, -1, -1, -1).to(v.dtype), v], 1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
+        x = x + L.self_attn.o_proj(o.transpose(1, 2).reshape(N, B, -1))
+        h = _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps)
+        m = L.mlp
+        x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+    return _rms(x, net.norm.weight, c.rms_norm_eps)
+
+
+def _old_latent(L, h, positions):
+    c = L.c
+    c_kv, k_rope = L.self_attn.kv_a_proj_with_mqa(h).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+    c_kv = _rms(c_kv, L.self_attn.kv_a_layernorm.weight, c.rms_norm_eps)
+    return torch.cat([c_kv[..., None, :], _old_rope(k_rope[..., None, :], positions, c.rope_theta)], -1)
+
+
+def _old_forward_mla(net, x, positions, ctx_kv, ctx_valid):
+    c = net.config
+    N, B, _ = x.shape
+    H, nope, r = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank
+    mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, B)], 1)[:, None, None, :]
+    for L, (latent, _) in zip(net.layers, ctx_kv):
+        h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
+        w_uk, w_uv = L._kv_b()
+        q_nope, q_rope = L.self_attn.q_proj(h).view(N, B, H, -1).split([nope, c.qk_rope_head_dim], -1)
+        q_lat = torch.einsum("nbhd,hdr->nbhr", q_nope, w_uk)
+        q = torch.cat([q_lat, _old_rope(q_rope, positions, c.rope_theta)], -1)
+        k = torch.cat([latent.expand(N, -1, -1, -1).to(q.dtype), _old_latent(L, h, positions)], 1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, k[..., :r], attn_mask=mask,
+                                           scale=(nope + c.qk_rope_head_dim) ** -0.5, enable_gqa=H > 1)
+        o = torch.einsum("nhbr,hvr->nbhv", o, w_uv)
+        x = x + L.self_attn.o_proj(o.reshape(N, B, H * c.v_head_dim))
+        h = _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps)
+        m = L.mlp
+        x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+    return _rms(x, net.norm.weight, c.rms_norm_eps)
+
+
+def _old_forward(net, *args):
+    return (_old_forward_mla if isinstance(net, MLABlockDrafterNet) else _old_forward_gqa)(net, *args)
+
+
+@torch.inference_mode()
+def reference_propose(d, req_ids, max_tokens):
+    """``BlockDrafter.propose`` as it was: returns the drafts and the block's hidden states ``[N, B, hidden]``."""
+    c, dev = d.config, d._embed.device
+    B, N = c.block_size, len(req_ids)
+    anchors = [d._tokens[r][-1] for r in req_ids]
+    ctx_lens = [d._ctx_len[r] for r in req_ids]
+    ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=dev)
+    ids[:, 0] = torch.tensor(anchors, device=dev)
+    positions = torch.tensor(ctx_lens, device=dev)[:, None] + torch.arange(B, device=dev)
+    tpb, width = d.kv.tokens_per_block, max(1, max(ctx_lens))
+    gather = torch.zeros(N, width, dtype=torch.long)
+    valid = torch.zeros(N, width, dtype=torch.bool)
+    offs = torch.arange(tpb)
+    for i, (r, n) in enumerate(zip(req_ids, ctx_lens)):
+        if n:
+            pages = torch.tensor(d.kv.page_table(r)[: -(-n // tpb)])
+            gather[i, :n] = (pages[:, None] * tpb + offs).flatten()[:n]
+            valid[i, :n] = True
+    gather, valid = gather.to(dev), valid.to(dev)
+    ctx_kv = [(d.kv.k(i)[gather], None if d.kv.v(i) is None else d.kv.v(i)[gather]) for i in range(c.num_layers)]
+    h = _old_forward(d.net, d._embed[ids], positions, ctx_kv, valid)
+    slots = list(d._slots)[:max_tokens]
+    logits = F.linear(h[:, slots], d._lm_head)
+    return [tuple(t) for t in logits.argmax(-1).tolist()], h
+
+
+# --------------------------------------------------------------------------- set-up: drafter, pool, contexts
+
+
+def fake_target(device="cpu", dtype=torch.float32, max_context=1024, seed=0):
+    """What ``bind`` reads from a target: sizes, device, dtype, embedding and LM head."""
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(VOCAB, HIDDEN, generator=g)
+    lm_head = torch.randn(VOCAB, HIDDEN, generator=g) * 2
+    return SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=TARGET_LAYERS, max_context=max_context,
+                           device=torch.device(device), dtype=dtype, embed=embed.to(device, dtype),
+                           lm_head=lm_head.to(device, dtype))
+
+
+def make_drafter(kind: str, seed: int = 1, cuda_graphs: bool = True):
+    common = dict(block_size=5, target_layer_ids=(0, 2), target_hidden_size=HIDDEN, vocab_size=VOCAB,
+                  hidden_size=HIDDEN, num_layers=2, intermediate_size=48, mask_token_id=3)
+    if kind == "mla":
+        net = MLABlockDrafterNet(MLABlockDrafterConfig(num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                       qk_rope_head_dim=8, v_head_dim=8, **common))
+        return MLADSparkDrafter(init_weights(net, seed=seed, std=0.2), cuda_graphs=cuda_graphs)
+    shift = 0 if kind == "dflash" else 1
+    net = BlockDrafterNet(BlockDrafterConfig(shift_label=shift, num_heads=4, num_kv_heads=2, head_dim=8,
+                                             qk_norm=kind == "dspark", **common))
+    cls = DFlashDrafter if shift == 0 else DSparkDrafter
+    return cls(init_weights(net, seed=seed, std=0.2), cuda_graphs=cuda_graphs)
+
+
+class State:
+    """A drafter bound to its own pool (or a shared one whose pages run past the drafter's context),
+    with requests whose contexts were written in interleaved chunks (scattered page tables)."""
+
+    def __init__(self, d, tpb: int, lens: list[int], shared: bool, seed: int, device="cpu", dtype=torch.float32):
+        self.d, self.rng = d, random.Random(seed)
+        pages = sum(-(-(n + 9) // tpb) for n in lens) + 16
+        pool = KVPool(d.kv_layer_specs(), pages, tpb, device=device)
+        g = torch.Generator().manual_seed(seed)
+        for t in pool.k + [v for v in pool.v if v is not None]:  # garbage everywhere: masking must hide it
+            t.copy_(torch.randn(t.shape, generator=g) * 50)
+        self.manager = KVCacheManager(pages, tpb)
+        d.bind(fake_target(device, dtype), DraftKV(pool, range(d.config.num_layers), self.manager, shared))
+        self.reqs = [f"r{i}" for i in range(len(lens))]
+        if shared:  # the target owns the pages: prompt + room for a verify, a few pages more than the drafter reads
+            for r in self.reqs:
+                self.manager.allocate(r, 0)
+        self.manager.allocate("hole", 2 * tpb)  # freed below: later pages come out of order
+        for r, n in zip(self.reqs, lens):
+            d.start_request(r, [self.rng.randrange(VOCAB) for _ in range(n + 1)])
+        done = [0] * len(lens)
+        for part in range(1, 4):
+            if part == 2:
+                self.manager.free("hole")
+            spans, row = [], 0
+            for i, (r, n) in enumerate(zip(self.reqs, lens)):
+                stop = n * part // 3
+                if shared:
+                    self.manager.append(r, stop - done[i] + (self.rng.randint(1, 9) if part == 3 else 0))
+                if stop > done[i]:
+                    spans.append((r, done[i], row, stop - done[i]))
+                    row += stop - done[i]
+                done[i] = stop
+            if spans:
+                width = len(d.target_layer_ids) * HIDDEN
+                d.on_contexts(spans, torch.randn(row, width, generator=g).to(device, dtype))
+
+    def ids(self, k: int) -> list[str]:
+        """``k`` requests in a random order (a batch of the engine)."""
+        return self.rng.sample(self.reqs, k)
+
+
+def lengths(rng: random.Random, tpb: int, n: int) -> list[int]:
+    special = [0, 1, tpb - 1, tpb, tpb + 1, 3 * tpb + 2, 5 * tpb]
+    return [rng.choice(special) if rng.random() < 0.5 else rng.randint(0, 90) for _ in range(n)]
+
+
+def capture_hidden(d):
+    """Record what ``run_block`` returns (the new path's block hidden states)."""
+    seen, run = [], d.net.run_block
+    d.net.run_block = lambda *a: seen.append(run(*a)) or seen[-1]
+    return seen
+
+
+KINDS = ["dflash", "dspark", "mla"]
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("dim,theta", [(8, 100000.0), (16, 10000.0), (64, 100000.0)])
+def test_rope_table_gives_the_per_call_factors(dim, theta):
+    table = RopeTable(dim, theta, 3000, "cpu")
+    pos = torch.randint(0, 2990, (7, 1)) + torch.arange(9)
+    x = torch.randn(7, 9, 3, dim)
+    for a, b in zip(table(pos), rope_cos_sin(pos, dim, theta)):
+        assert torch.equal(a, b)
+    from specdec.drafters.block import rotate
+
+    assert torch.equal(rotate(x, *table(pos)), _old_rope(x, pos, theta))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_block_is_unchanged(kind):
+    """The training-time entry point still computes what it computed (bit for bit)."""
+    net = make_drafter(kind).net
+    c, N, B, Lc = net.config, 3, net.config.block_size, 11
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, B, HIDDEN, generator=g)
+    pos = torch.randint(0, 50, (N, 1), generator=g) + torch.arange(B)
+    valid = torch.rand(N, Lc, generator=g) > 0.3
+    with torch.no_grad():
+        ctx = net.project_context(torch.randn(1, Lc, 2 * HIDDEN, generator=g))
+        ctx_kv = [net.context_kv(i, ctx, torch.arange(Lc)) for i in range(c.num_layers)]
+        assert torch.equal(net.forward_block(x, pos, ctx_kv, valid), _old_forward(net, x, pos, ctx_kv, valid))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tpb,shared", [(4, False), (16, False), (8, True)])
+def test_propose_equals_the_old_algorithm(kind, tpb, shared):
+    rng = random.Random(f"{kind}-{tpb}-{shared}")
+    for mix in range(3):
+        st = State(make_drafter(kind, seed=mix), tpb, lengths(rng, tpb, rng.randint(1, 12)), shared, seed=mix)
+        d, seen = st.d, capture_hidden(st.d)
+        for _ in range(4):
+            req_ids = st.ids(rng.randint(1, len(st.reqs)))
+            k = rng.choice([1, 2, d.config.draft_width, d.config.draft_width + 3])
+            want, h_want = reference_propose(d, req_ids, k)
+            got = d.propose(req_ids, k)
+            assert [x.token_ids for x in got] == want, (kind, tpb, shared, mix, req_ids, k)
+            assert torch.equal(seen[-1], h_want)  # not only the argmax: the same numbers
+            assert all(len(x) == min(k, d.config.draft_width) for x in got)
+    assert d.stats["graph_proposes"] == 0 and d.stats["eager_proposes"] == 4
+    assert set(d.stats["eager_reasons"]) == {"device is cpu, graphs need cuda"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_buckets_draft_the_same(kind):
+    """Requests padded to a power of two, context keys to a multiple of CTX_BUCKET: the padding is masked out."""
+    rng = random.Random(7)
+    st = State(make_drafter(kind), 8, lengths(rng, 8, 11) + [300], shared=False, seed=3)
+    d, seen = st.d, capture_hidden(st.d)
+    d.pad_shapes = True
+    for n in (1, 3, 4, 5, 12):
+        req_ids = st.ids(n)
+        want, h_want = reference_propose(d, req_ids, 9)
+        assert [x.token_ids for x in d.propose(req_ids, 9)] == want
+        h = seen[-1]
+        assert h.shape[0] == 1 << (n - 1).bit_length()
+        torch.testing.assert_close(h[:n], h_want, rtol=1e-5, atol=1e-5)
+    assert d.pad_shapes and CTX_BUCKET % 8 == 0
+
+
+def test_every_request_can_have_an_empty_context():
+    st = State(make_drafter("dspark"), 4, [0, 0, 0], shared=False, seed=0)
+    want, _ = reference_propose(st.d, st.reqs, 5)
+    assert [x.token_ids for x in st.d.propose(st.reqs, 5)] == want
+
+
+def test_nothing_asked_nothing_drafted():
+    st = State(make_drafter("dflash"), 4, [5, 9], shared=False, seed=0)
+    assert st.d.propose([], 4) == []
+    assert [len(x) for x in st.d.propose(st.reqs, 0)] == [0, 0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_kv_written_as_before(kind):
+    """on_contexts looks RoPE factors up in the table: the cache holds what per-call factors gave."""
+    st = State(make_drafter(kind), 4, [13, 6], shared=False, seed=1)
+    d, g = st.d, torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 2 * HIDDEN, generator=g)
+    n = d._ctx_len["r0"]
+    d.on_context("r0", n, hidden)
+    with torch.no_grad():
+        ctx = d.net.project_context(hidden)
+        pos = torch.arange(n, n + 3)
+        if kind == "mla":
+            want = _old_latent(d.net.layers[1], ctx, pos)
+        else:
+            L, c = d.net.layers[1], d.config
+            want = _old_rope(L.qk(ctx, c, c.num_kv_heads, "k"), pos, c.rope_theta)
+    assert torch.equal(d.kv.k(1)[d.kv.slots("r0", n, n + 3)], want)
+
+
+def test_cuda_graphs_flag_is_reported():
+    st = State(make_drafter("dflash", cuda_graphs=False), 4, [5], shared=False, seed=0)
+    st.d.propose(st.reqs, 4)
+    assert st.d.stats["eager_reasons"] == {"cuda_graphs disabled": 1}
+    assert DFlashDrafter.from_pretrained("smollm2-135m-dflash", cuda_graphs=False).cuda_graphs is False
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+class TestOnGPU:
+    @pytest.mark.parametrize("kind", KINDS)
+    def test_unpadded_eager_equals_the_old_algorithm_in_fp32(self, kind):
+        """On CUDA too the table holds the per-call factors: same shapes, same numbers."""
+        rng = random.Random(1)
+        st = State(make_drafter(kind, cuda_graphs=False), 16, lengths(rng, 16, 9), False, seed=2, device="cuda")
+        d, seen = st.d, capture_hidden(st.d)
+        d.pad_shapes = False
+        for n in (1, 4, 9):
+            req_ids = st.ids(n)
+            want, h_want = reference_propose(d, req_ids, 9)
+            assert [x.token_ids for x in d.propose(req_ids, 9)] == want
+            assert torch.equal(seen[-1], h_want)
+
+    @pytest.mark.parametrize("kind", KINDS)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_graph_replays_equal_eager_proposes(self, kind, dtype):
+        """Same bucket, same kernels: replay == padded eager, token for token; in fp32 both == the old path."""
+        rng = random.Random(2)
+        st = State(make_drafter(kind), 16, lengths(rng, 16, 20) + [600], False, seed=3, device="cuda", dtype=dtype)
+        d = st.d
+        buckets = set()
+        for n in (1, 3, 4, 7, 8, 21, 3):
+            req_ids = st.ids(n)
+            d.cuda_graphs = False
+            eager = d.propose(req_ids, 9)
+            d.cuda_graphs = True
+            graph = d.propose(req_ids, 9)
+            assert graph == eager, (kind, dtype, n)
+            if dtype == torch.float32:
+                assert [x.token_ids for x in graph] == reference_propose(d, req_ids, 9)[0]
+            width = max(1, max(d._ctx_len[r] for r in req_ids))
+            buckets.add((1 << (n - 1).bit_length(), -(-width // CTX_BUCKET) * CTX_BUCKET))
+        assert d.stats["graph_proposes"] == 7 and d.stats["eager_proposes"] == 7
+        assert d.stats["graphs_captured"] == len(buckets) < 7  # buckets are reused
+
+    @pytest.mark.parametrize("kind", KINDS[:2])
+    def test_engine_with_graph_proposes_is_lossless(self, tmp_path, kind):
+        """The drafter's graphs beside the target's own graph steps: fp32 greedy output == the null drafter's."""
+        from specdec import SamplingParams, SpecEngine
+
+        from tests.test_triton_gqa import tiny_llama
+
+        target = tiny_llama(tmp_path, "cuda", vocab_size=128, hidden_size=64, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                            eos_token_id=127)
+        cfg = BlockDrafterConfig(block_size=5, shift_label=int(kind == "dspark"), target_layer_ids=(0, 1),
+                                 target_hidden_size=64, vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, head_dim=16, intermediate_size=96)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 127, (n,), generator=g).tolist() for n in (300, 5, 40, 130, 1, 77)]
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        outs = {}
+        for name, graphs in (("null", None), ("eager", False), ("graph", True)):
+            d = None if graphs is None else (DFlashDrafter if kind == "dflash" else DSparkDrafter)(
+                init_weights(BlockDrafterNet(cfg), seed=4), cuda_graphs=graphs)
+            engine = SpecEngine(target, d, max_draft_tokens=4, tokens_per_block=16)
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+            if graphs:
+                assert d.stats["graph_proposes"] > 0 and d.stats["eager_proposes"] == 0
+        assert outs["graph"] == outs["eager"] == outs["null"]
