@@ -142,8 +142,9 @@ class ModelRunner:
         key = None
         if not why:
             key, why = graph_key(self.policy, [g[0] for g in step.generation], [g[1] for g in step.generation])
-        backend = None
-        if key is not None:
+        captured = self._graphs.get(key) if key is not None else None
+        backend = captured.backend if captured is not None else None  # selected when it was captured
+        if key is not None and captured is None:
             backend = select(self.shape_of("generation", key.max_q_len, False), self.requested)
             if not getattr(backend, "capturable", False):
                 why = f"backend {backend.name} cannot be captured"
@@ -221,8 +222,9 @@ class ModelRunner:
             g.graph.replay()
         n = len(step.input_ids)
         logits, argmax, aux = g.outputs
-        return StepResult(logits[:n], argmax[:n] if step.greedy else None,
-                          None if aux is None else aux[:n], {"generation": g.backend.name}, graph=True)
+        if n < g.key.num_tokens:  # drop the padding rows (views; no copy)
+            logits, argmax, aux = logits[:n], argmax[:n], None if aux is None else aux[:n]
+        return StepResult(logits, argmax if step.greedy else None, aux, {"generation": g.backend.name}, graph=True)
 
     def _fill(self, g: _Captured, step: StepInput) -> None:
         """Write the step's (padded) inputs into the graph's pinned buffers (their NumPy views), then
