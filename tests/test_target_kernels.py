@@ -291,4 +291,5 @@ def test_cpu_interpreter_suite():
     cmd = [sys.executable, "-m", "pytest", __file__, "-k", "not interpreter_suite", "-p", "no:cacheprovider", "-x"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert re.search(r"\b\d+ passed, \d+ deselected in\b", done.stdout), done.stdout[-3000:]
+    # every selected test ran there: passed, none skipped (a warning from the interpreter is fine)
+    assert re.search(r"\b\d+ passed, \d+ deselected(, \d+ warnings?)? in\b", done.stdout), done.stdout[-3000:]

@@ -458,8 +458,9 @@ def test_cpu_interpreter_suite():
            "-p", "no:cacheprovider", "-x", "-rs"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    # Every selected test ran there: passed, none skipped.
-    assert re.search(r"\b\d+ passed, \d+ deselected in\b", done.stdout), done.stdout[-3000:]
+    # Every selected test ran there: passed, none skipped. A warning is fine: the merge of padding
+    # tokens reads split partials no program wrote (inf - inf in NumPy); those rows are discarded.
+    assert re.search(r"\b\d+ passed, \d+ deselected(, \d+ warnings?)? in\b", done.stdout), done.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------- GPU

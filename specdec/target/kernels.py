@@ -237,6 +237,15 @@ def _rstd_from_parts(SS, rows, rmask, num_parts, K, eps, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
+def _load_scaled_input(X, NW, rows, rmask, kk, kmask, stride_x):
+    # one-pass norm: (x * norm weight) rounded for the dot, and the tile's share of each row's sum of squares
+    xf = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                 other=0.0).to(tl.float32)
+    nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
+    return (xf * nw[None, :]).to(X.dtype.element_ty), tl.sum(xf * xf, 1)
+
+
+@triton.jit
 def _load_input(X, NW, rows, rmask, kk, kmask, rstd, stride_x, HAS_NORM: tl.constexpr):
     x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
     if HAS_NORM:  # weight * (x * rstd).to(dtype), rounded: HF's RMSNorm
@@ -268,12 +277,8 @@ def _linear_kernel(X, W, Y, NW, RES, SS_IN, SS_OUT, M, N, K, stride_x, stride_w,
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
         if HAS_NORM and ONE_PASS and not NORM_FROM_SS:  # (x * norm weight) @ W^T, times rstd at the end
-            xr = tl.load(X + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                         other=0.0)
-            xf = xr.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(X.dtype.element_ty)
+            x, part = _load_scaled_input(X, NW, rows64, rmask, kk, kmask, stride_x)
+            ss += part
         else:
             x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, HAS_NORM)
         wmask = cmask[:, None] & kmask[None, :]
@@ -335,11 +340,8 @@ def _qkv_rope_kernel(X, W, BIAS, NW, SS_IN, Q, KC, VC, COS, SIN, POS, SLOTS, M, 
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
         if ONE_PASS and not NORM_FROM_SS:
-            xf = tl.load(X + rows64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                         other=0.0).to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(X.dtype.element_ty)
+            x, part = _load_scaled_input(X, NW, rows64, rmask, kk, kmask, stride_x)
+            ss += part
         else:
             x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, True)
         wmask = dmask[:, None] & kmask[None, :]

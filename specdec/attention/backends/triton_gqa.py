@@ -176,6 +176,18 @@ def _merge_splits_kernel(
 INTERPRETED = is_interpreted(_gqa_attn_kernel)
 
 
+def _checked_pages(i: int, q_len: int, kv_len: int, table, tokens_per_block: int, width: int) -> int:
+    """Pages request ``i`` reads, after checking that its row fits the meta layout."""
+    pages = -(-kv_len // tokens_per_block)
+    if not 1 <= q_len <= kv_len:
+        raise ConfigError(f"request {i}: need 1 <= q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
+    if len(table) < pages:
+        raise ConfigError(f"request {i}: page table has {len(table)} pages, kv_len={kv_len} needs {pages}")
+    if 3 + pages > width:
+        raise ConfigError(f"request {i}: kv_len={kv_len} needs {pages} pages, more than the {width - 3} columns")
+    return pages
+
+
 def pack_meta(q_lens, kv_lens, page_tables, tokens_per_block: int, width: int) -> list[list[int]]:
     """Per request ``[kv_len, q_len, q_start, page ids...]`` padded with 0 to ``width`` columns.
 
@@ -184,13 +196,7 @@ def pack_meta(q_lens, kv_lens, page_tables, tokens_per_block: int, width: int) -
     """
     rows, q_start = [], 0
     for i, (q_len, kv_len, table) in enumerate(zip(q_lens, kv_lens, page_tables)):
-        pages = -(-kv_len // tokens_per_block)
-        if not 1 <= q_len <= kv_len:
-            raise ConfigError(f"request {i}: need 1 <= q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
-        if len(table) < pages:
-            raise ConfigError(f"request {i}: page table has {len(table)} pages, kv_len={kv_len} needs {pages}")
-        if 3 + pages > width:
-            raise ConfigError(f"request {i}: kv_len={kv_len} needs {pages} pages, more than the {width - 3} columns")
+        pages = _checked_pages(i, q_len, kv_len, table, tokens_per_block, width)
         rows.append([kv_len, q_len, q_start, *table[:pages]] + [0] * (width - 3 - pages))
         q_start += q_len
     return rows
@@ -210,13 +216,7 @@ def pack_meta_into(out, q_lens, kv_lens, page_tables, tokens_per_block: int) -> 
     out[len(q_lens):, 1] = 0
     q_start = 0
     for i, (q_len, kv_len, table) in enumerate(zip(q_lens, kv_lens, page_tables)):
-        pages = -(-kv_len // tokens_per_block)
-        if not 1 <= q_len <= kv_len:
-            raise ConfigError(f"request {i}: need 1 <= q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
-        if len(table) < pages:
-            raise ConfigError(f"request {i}: page table has {len(table)} pages, kv_len={kv_len} needs {pages}")
-        if 3 + pages > width:
-            raise ConfigError(f"request {i}: kv_len={kv_len} needs {pages} pages, more than the {width - 3} columns")
+        pages = _checked_pages(i, q_len, kv_len, table, tokens_per_block, width)
         row = out[i]
         row[0], row[1], row[2] = kv_len, q_len, q_start
         row[3:3 + pages] = table[:pages]  # columns past kv_len are never read
