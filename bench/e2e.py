@@ -85,7 +85,9 @@ def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1
 
 
 def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engine_kw):
-    kwargs = {"max_draft_tokens": args.k} if drafter_name == "suffix" else {}
+    kwargs = {"max_draft_tokens": args.k, **json.loads(args.suffix_kwargs)} if drafter_name == "suffix" else {}
+    if drafter_name == "suffix" and args.suffix_corpus:  # e.g. responses to other prompts (a server's history)
+        kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
     engine = SpecEngine(target, make_drafter(drafter_name, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -139,6 +141,10 @@ def main() -> None:
                     help="comma-separated batch sizes, e.g. 1,8,32")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
     ap.add_argument("--drafters", default="null,suffix")
+    ap.add_argument("--suffix-kwargs", default="{}",
+                    help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
+    ap.add_argument("--suffix-corpus", default=None,
+                    help="a bench/replay_study.py --save file whose responses preload the suffix drafter")
     ap.add_argument("--invariant", action="store_true",
                     help="also run each drafter with batch_invariant=True (GPU bf16 losslessness study)")
     ap.add_argument("--no-graphs", action="store_true", help="cuda_graphs=False")
