@@ -139,6 +139,9 @@ class SpecEngine:
 
         Returns:
             how many graphs were captured.
+
+        Raises:
+            ConfigError: ``max_kv_len`` is not a positive integer.
         """
         decode_only = isinstance(self.drafter, NullDrafter) or self.config.max_draft_tokens == 0
         bar = None

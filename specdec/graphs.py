@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.errors import ConfigError
+
 MIN_KV_BUCKET = 256
 INVARIANT_SPLIT_CHUNK = 256  # keys per KV split in batch-invariant steps (a multiple of every key tile)
 
@@ -100,7 +102,12 @@ def all_buckets(policy: GraphPolicy, decode_only: bool = False,
         policy: the runner's limits.
         decode_only: only single-token steps (a drafter that never drafts).
         max_kv_len: only context buckets up to the one holding this many tokens (default: all).
+
+    Raises:
+        ConfigError: ``max_kv_len`` is not a positive integer.
     """
+    if max_kv_len is not None and (not isinstance(max_kv_len, int) or max_kv_len < 1):
+        raise ConfigError(f"max_kv_len must be an integer >= 1 or None, got {max_kv_len!r}")
     kv_top = min(policy.max_context, max(MIN_KV_BUCKET, next_pow2(max_kv_len or policy.max_context)))
     kvs, kv = [], min(MIN_KV_BUCKET, kv_top)
     while True:

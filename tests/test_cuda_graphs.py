@@ -101,6 +101,12 @@ def test_capture_graphs_is_a_no_op_on_the_cpu(tmp_path):
     assert engine.capture_graphs(progress=False) == 0
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "512"])
+def test_all_buckets_refuses_a_bad_max_kv_len(bad):
+    with pytest.raises(ConfigError, match="max_kv_len must be an integer >= 1"):
+        all_buckets(GraphPolicy(max_num_seqs=2, max_draft_tokens=2, max_context=600), max_kv_len=bad)
+
+
 def test_pad_step_pads_to_the_bucket_and_refuses_overflow():
     key = GraphKey(2, 4, 9, 256)
     assert pad_step(key, [5, 6], [10, 11], [40, 41], 999) == ([5, 6, 0, 0], [10, 11, 0, 0], [40, 41, 999, 999])

@@ -163,6 +163,8 @@ def test_fused_linear_matches_the_unfused_layers(dtype, m, mode):
 def test_fused_linear_rejects_a_weight_of_the_wrong_width():
     with pytest.raises(ValueError, match="does not fit"):
         fused_linear(torch.zeros(2, 8), torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fused_linear(torch.zeros(8, 2).t(), torch.zeros(4, 8))
 
 
 @needs_kernels

@@ -450,6 +450,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if weight.shape[1] != k or (silu_mul and weight.shape[0] % 2):
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (silu_mul={silu_mul})")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x and weight need a contiguous last dim, got strides {x.stride()} and {weight.stride()}")
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
