@@ -5,6 +5,8 @@
 #   bash bench/device_gpu.sh hf        # HF generate baselines (batch 1 on 100-107: HF is slow there)
 #   bash bench/device_gpu.sh block     # the block drafters at batch 8 and 32
 #   bash bench/device_gpu.sh mla       # triton_mla: config sweep, then the 720-shape grid
+#   bash bench/device_gpu.sh profile   # step_profile (fused vs fused-GEMM step) and drafter_profile (block propose)
+#   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts and a dev-split corpus, batch 1 and 8
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -12,9 +14,9 @@ mkdir -p "$OUT"
 for part in "$@"; do
   case "$part" in
     tests)
-      timeout 240 python -m pytest tests/test_cuda_graphs.py tests/test_target_kernels.py tests/test_triton_gqa.py \
-        -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset" -p no:cacheprovider -rs \
-        2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+      timeout 300 python -m pytest tests/test_cuda_graphs.py tests/test_target_kernels.py tests/test_triton_gqa.py \
+        tests/test_block_propose.py -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset or gpu" \
+        -p no:cacheprovider -rs -o addopts= 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
       timeout 200 python -m pytest tests/test_triton_mla.py -m gpu -p no:cacheprovider -rs -x \
         2>&1 | tail -15 | tee "$OUT/gpu_tests_mla.txt" ;;
     specdec)
@@ -26,6 +28,13 @@ for part in "$@"; do
     block)
       timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 8,32 --drafters null,dflash,dspark --skip-hf --out "$OUT/e2e_block" 2>&1 | tail -30 ;;
+    profile)
+      timeout 150 python bench/step_profile.py --device cuda --out "$OUT/prof" 2>&1 | grep "^|" | head -9
+      timeout 240 python bench/drafter_profile.py --device cuda --out "$OUT/drafter" 2>&1 | tail -20 ;;
+    tuned)
+      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8 --drafters null,suffix --k 16 --suffix-kwargs '{"match_len_factor": 16}' \
+        --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_tuned" 2>&1 | tail -30 ;;
     mla)
       timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \
         --budget-s "${MLA_GRID_S:-240}" --out "$OUT/mla" 2>&1 | tail -60 ;;
