@@ -295,3 +295,24 @@ def test_cpu_interpreter_suite():
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     # every selected test ran there: passed, none skipped (a warning from the interpreter is fine)
     assert re.search(r"\b\d+ passed, \d+ deselected(, \d+ warnings?)? in\b", done.stdout), done.stdout[-3000:]
+
+
+def test_fused_gemm_row_limit_follows_the_weight_size():
+    """Small models (GEMM weights that stay in L2) use the fused GEMMs up to 512-token steps; large
+    ones only up to 64 rows (each 16-row block rereads the weights from HBM), then cuBLAS."""
+    from types import SimpleNamespace
+
+    from specdec.target.kernels import FUSED_GEMM_MAX_TOKENS
+    from specdec.target.llama import fused_gemm_max_tokens
+
+    def layer(hidden, inter, dtype=torch.bfloat16):
+        def w(*shape):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        return SimpleNamespace(w_qkv=w(hidden + hidden // 2, hidden), w_o=w(hidden, hidden),
+                               w_gate_up=w(2 * inter, hidden), w_down=w(hidden, inter))
+
+    assert fused_gemm_max_tokens(layer(576, 1536)) == FUSED_GEMM_MAX_TOKENS == 512  # SmolLM2-135M
+    assert fused_gemm_max_tokens(layer(576, 1536, torch.float32)) == 512
+    assert fused_gemm_max_tokens(layer(4096, 14336)) == 64  # Llama-3-8B
+    assert fused_gemm_max_tokens(None) == 512

@@ -121,6 +121,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def fused_gemm_max_tokens(layer) -> int:
+    """Most tokens a step may have for the fused GEMM kernels.
+
+    They tile rows 16 at a time and every row block reads the layer's weights again. A small
+    model's per-GEMM weights (a few MB) stay in L2, so up to
+    :data:`~specdec.target.kernels.FUSED_GEMM_MAX_TOKENS` rows cost little. A large model's
+    weights come from HBM each time, so steps above 64 rows (4 row blocks) go to cuBLAS.
+    """
+    from specdec.target.kernels import FUSED_GEMM_MAX_TOKENS
+
+    if layer is None:
+        return FUSED_GEMM_MAX_TOKENS
+    biggest = max(t.numel() * t.element_size() for t in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
+    return FUSED_GEMM_MAX_TOKENS if biggest <= 8 * 2 ** 20 else 64
+
+
 @dataclass(slots=True)
 class _Layer:
     w_qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
@@ -168,10 +184,11 @@ class LlamaTarget:
         # Fused Triton elementwise kernels on the GPU (a step is launch-bound there); plain
         # PyTorch elsewhere. Tests set it on the CPU under TRITON_INTERPRET=1.
         self.fused = self.device.type == "cuda" and _has_triton()
-        # With ``fused``, steps of at most FUSED_GEMM_MAX_TOKENS tokens also fold each norm, RoPE,
+        # With ``fused``, steps of at most ``fused_gemm_max_tokens`` tokens also fold each norm, RoPE,
         # cache write, activation and residual add into the GEMM beside it (five kernels a layer
         # plus attention; see kernels.py). Needs a cache of the compute dtype and no QK norm.
         self.fused_gemm = True
+        self.fused_gemm_max_tokens = fused_gemm_max_tokens(self.layers[0] if self.layers else None)
 
     def _load(self, w: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -232,9 +249,7 @@ class LlamaTarget:
         return self.embed[input_ids]
 
     def _use_fused_gemm(self, num_tokens: int, pool) -> bool:
-        from specdec.target.kernels import FUSED_GEMM_MAX_TOKENS
-
-        return (self.fused and self.fused_gemm and num_tokens <= FUSED_GEMM_MAX_TOKENS
+        return (self.fused and self.fused_gemm and num_tokens <= self.fused_gemm_max_tokens
                 and not self.config.qk_norm and all(k.dtype == self.dtype for k in pool.k[: self.num_layers]))
 
     def forward(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
@@ -321,9 +336,7 @@ class LlamaTarget:
         return x, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        from specdec.target.kernels import FUSED_GEMM_MAX_TOKENS
-
-        if self.fused and self.fused_gemm and hidden.shape[0] <= FUSED_GEMM_MAX_TOKENS:
+        if self.fused and self.fused_gemm and hidden.shape[0] <= self.fused_gemm_max_tokens:
             from specdec.target.kernels import fused_linear
 
             return fused_linear(hidden.contiguous(), self.lm_head, norm_weight=self.final_norm,
