@@ -24,7 +24,7 @@ for part in "$@"; do
         --batch-sizes 1,8,32 --drafters null,suffix --invariant --skip-hf --out "$OUT/e2e_specdec" 2>&1 | tail -40 ;;
     hf)
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --hf-problems 100-107 \
-        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --out "$OUT/e2e_hf" 2>&1 | tail -40 ;;
+        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --hf-static --out "$OUT/e2e_hf" 2>&1 | tail -40 ;;
     block)
       timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 8,32 --drafters null,dflash,dspark --skip-hf --out "$OUT/e2e_block" 2>&1 | tail -30 ;;

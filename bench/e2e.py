@@ -9,6 +9,8 @@
 Systems (over the same chat-templated HumanEval prompts, greedy, per batch size):
   hf-greedy          transformers generate, greedy (left-padded batches)
   hf-prompt-lookup   transformers generate with prompt_lookup_num_tokens (batch 1 only)
+  hf-static          transformers generate with cache_implementation="static" (--hf-static;
+                     on CUDA transformers compiles the decode step; warmed up untimed)
   specdec-<name>     SpecEngine with drafter <name> (default: null and suffix)
   specdec-<name>-invariant   the same with batch_invariant=True (--invariant)
 
@@ -49,8 +51,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1):
-    """transformers generate, ``batch_size`` prompts at a time (left-padded); counts forward calls."""
+def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1, static: bool = False):
+    """transformers generate, ``batch_size`` prompts at a time (left-padded); counts forward calls.
+
+    ``static``: ``cache_implementation="static"`` (on CUDA transformers then compiles the decode
+    step with ``torch.compile``; the caller warms it up untimed)."""
     calls = [0]
     handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     outs, t_total = [], 0.0
@@ -65,6 +70,8 @@ def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1
                       attention_mask=mask)
             if lookup:
                 kw["prompt_lookup_num_tokens"] = lookup
+            if static:
+                kw["cache_implementation"] = "static"
             _sync(args.device)
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -151,6 +158,8 @@ def main() -> None:
     ap.add_argument("--no-precapture", action="store_true",
                     help="capture graph buckets on demand (inside timed steps) instead of before the run")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-static", action="store_true",
+                    help="also HF generate with a static cache (compiled by transformers on CUDA)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write markdown + JSON here (path without suffix)")
     args = ap.parse_args()
@@ -182,6 +191,13 @@ def main() -> None:
             if b == 1:  # prompt lookup in transformers is batch-1 only
                 print("hf-prompt-lookup b1 ...", file=sys.stderr, flush=True)
                 results[b]["hf-prompt-lookup"] = run_hf(model, tok, ids, args, args.lookup, 1)
+            if args.hf_static:
+                print(f"hf-static b{b} ...", file=sys.stderr, flush=True)
+                try:  # warm-up, untimed: the compile of the static-cache decode step
+                    run_hf(model, tok, ids[:b], args, None, b, static=True)
+                    results[b]["hf-static"] = run_hf(model, tok, ids, args, None, b, static=True)
+                except Exception as e:  # noqa: BLE001 - "static cache where it works": say why not
+                    print(f"hf-static b{b} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         del model
     engine_kw = {"cuda_graphs": False} if args.no_graphs else {}
     for b in batch_sizes:
