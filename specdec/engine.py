@@ -145,7 +145,7 @@ class SpecEngine:
         """
         decode_only = isinstance(self.drafter, NullDrafter) or self.config.max_draft_tokens == 0
         bar = None
-        if progress:
+        if progress and self.runner.graphs_enabled:
             from tqdm.auto import tqdm
 
             bar = tqdm(unit="graph", desc="capture graphs")

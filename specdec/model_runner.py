@@ -118,6 +118,11 @@ class ModelRunner:
             self._no_graph = ""
 
     @property
+    def graphs_enabled(self) -> bool:
+        """Whether generation steps may replay CUDA graphs (False: why is in ``eager_reasons``)."""
+        return not self._no_graph
+
+    @property
     def meta_width(self) -> int:
         return 3 + -(-self.target.max_context // self.tpb)
 
