@@ -134,14 +134,17 @@ def all_buckets(policy: GraphPolicy, decode_only: bool = False,
     return out
 
 
-def pad_step(key: GraphKey, input_ids: list[int], positions: list[int], slots: list[int],
-             scratch_slot: int) -> tuple[list[int], list[int], list[int]]:
-    """Pad a step's token inputs to the bucket: token 0 at position 0, written to ``scratch_slot``.
+def pad_step_into(out, key: GraphKey, input_ids: list[int], positions: list[int], slots: list[int],
+                  scratch_slot: int) -> None:
+    """Write a step's token inputs, padded to the bucket, into ``out`` (``[3, key.num_tokens]``:
+    ids, positions, slots; e.g. a NumPy view of a pinned buffer). Padding tokens are token 0 at
+    position 0, written to ``scratch_slot``; whatever ``out`` held before is overwritten.
 
     Raises:
         ValueError: the step has more tokens than the bucket.
     """
-    pad = key.num_tokens - len(input_ids)
-    if pad < 0:
-        raise ValueError(f"step has {len(input_ids)} tokens, more than its bucket's {key.num_tokens}")
-    return input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad
+    n = len(input_ids)
+    if n > key.num_tokens:
+        raise ValueError(f"step has {n} tokens, more than its bucket's {key.num_tokens}")
+    out[0, :n], out[1, :n], out[2, :n] = input_ids, positions, slots
+    out[0, n:], out[1, n:], out[2, n:] = 0, 0, scratch_slot

@@ -21,7 +21,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
 from specdec.attention.selector import select
-from specdec.graphs import INVARIANT_SPLIT_CHUNK, GraphKey, GraphPolicy, graph_key
+from specdec.graphs import INVARIANT_SPLIT_CHUNK, GraphKey, GraphPolicy, graph_key, pad_step_into
 
 
 @dataclass(slots=True)
@@ -234,19 +234,9 @@ class ModelRunner:
     def _fill(self, g: _Captured, step: StepInput) -> None:
         """Write the step's (padded) inputs into the graph's pinned buffers (their NumPy views), then
         two async copies to the device."""
-        n, gen = len(step.input_ids), step.generation
-        if n > g.key.num_tokens:
-            raise ValueError(f"step has {n} tokens, more than its bucket's {g.key.num_tokens}")
-        tok = g.tokens_np
-        tok[0, :n], tok[1, :n], tok[2, :n] = step.input_ids, step.positions, step.slots
-        tok[0, n:], tok[1, n:], tok[2, n:] = 0, 0, self.scratch_slot  # padding: token 0 at position 0, scratch slot
-        args = ([s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen])
-        if hasattr(g.backend, "pack_meta_into"):
-            g.backend.pack_meta_into(g.meta_np, *args, self.tpb)
-        else:
-            rows = g.backend.pack_meta(*args, self.tpb, g.meta_host.shape[1])
-            rows += [[0] * g.meta_host.shape[1]] * (g.key.num_seqs - len(rows))  # q_len 0: the kernel skips them
-            g.meta_host.copy_(torch.tensor(rows, dtype=torch.int32))
+        pad_step_into(g.tokens_np, g.key, step.input_ids, step.positions, step.slots, self.scratch_slot)
+        gen = step.generation
+        g.backend.pack_meta_into(g.meta_np, [s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen], self.tpb)
         g.tokens_dev.copy_(g.tokens_host, non_blocking=True)
         g.meta_dev.copy_(g.meta_host, non_blocking=True)
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from specdec import SamplingParams, SpecEngine
 from specdec.drafters import SuffixAutomatonDrafter
 from specdec.errors import ConfigError
-from specdec.graphs import MIN_KV_BUCKET, GraphKey, GraphPolicy, all_buckets, graph_key, next_pow2, pad_step
+from specdec.graphs import (MIN_KV_BUCKET, GraphKey, GraphPolicy, all_buckets, graph_key, next_pow2,
+                            pad_step_into)
 
 HAS_CUDA = torch.cuda.is_available()
 POLICY = GraphPolicy(max_num_seqs=64, max_draft_tokens=8, max_context=8192)
@@ -108,10 +109,14 @@ def test_all_buckets_refuses_a_bad_max_kv_len(bad):
 
 
 def test_pad_step_pads_to_the_bucket_and_refuses_overflow():
+    import numpy as np
+
     key = GraphKey(2, 4, 9, 256)
-    assert pad_step(key, [5, 6], [10, 11], [40, 41], 999) == ([5, 6, 0, 0], [10, 11, 0, 0], [40, 41, 999, 999])
+    buf = np.full((3, 4), 7, dtype=np.int64)  # what an earlier step left in the pinned buffer
+    pad_step_into(buf, key, [5, 6], [10, 11], [40, 41], 999)
+    assert buf.tolist() == [[5, 6, 0, 0], [10, 11, 0, 0], [40, 41, 999, 999]]
     with pytest.raises(ValueError, match="more than its bucket"):
-        pad_step(key, [1] * 5, [0] * 5, [0] * 5, 999)
+        pad_step_into(buf, key, [1] * 5, [0] * 5, [0] * 5, 999)
 
 
 def test_config_validates_graph_settings():

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, register_drafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, RopeTable, block_mask, output_slots
 from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
+from specdec.graphs import next_pow2
 from specdec.kvcache.pool import LayerSpec
 
 #: Drafters shipped in the package, by name.
@@ -41,10 +42,6 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "checkpoints"
 CTX_BUCKET = 256
 #: Most requests a padded propose (and a captured graph) holds; more run unpadded, eagerly.
 MAX_PADDED_REQUESTS = 256
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(slots=True)
@@ -217,7 +214,7 @@ class BlockDrafter(Drafter):
             self._make_tables(cols + self.config.block_size)
         rows = n
         if self.pad_shapes and n <= MAX_PADDED_REQUESTS:  # shapes recur: plans and graphs are reused
-            rows, cols = _next_pow2(n), -(-cols // CTX_BUCKET) * CTX_BUCKET
+            rows, cols = next_pow2(n), -(-cols // CTX_BUCKET) * CTX_BUCKET
         packed = self._pack(req_ids, ctx_lens, rows, cols)
         why = self._why_eager(n)
         if why:

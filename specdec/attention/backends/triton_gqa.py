@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -189,26 +190,26 @@ def _checked_pages(i: int, q_len: int, kv_len: int, table, tokens_per_block: int
 
 
 def pack_meta(q_lens, kv_lens, page_tables, tokens_per_block: int, width: int) -> list[list[int]]:
-    """Per request ``[kv_len, q_len, q_start, page ids...]`` padded with 0 to ``width`` columns.
+    """Per request ``[kv_len, q_len, q_start, page ids...]`` padded with 0 to ``width`` columns
+    (:func:`pack_meta_into` on a zeroed buffer).
 
     Raises:
         ConfigError: a request has ``kv_len < q_len`` or a page table too short for its ``kv_len``.
     """
-    rows, q_start = [], 0
-    for i, (q_len, kv_len, table) in enumerate(zip(q_lens, kv_lens, page_tables)):
-        pages = _checked_pages(i, q_len, kv_len, table, tokens_per_block, width)
-        rows.append([kv_len, q_len, q_start, *table[:pages]] + [0] * (width - 3 - pages))
-        q_start += q_len
-    return rows
+    out = np.zeros((len(q_lens), width), dtype=np.int32)
+    pack_meta_into(out, q_lens, kv_lens, page_tables, tokens_per_block)
+    return out.tolist()
 
 
 def pack_meta_into(out, q_lens, kv_lens, page_tables, tokens_per_block: int) -> None:
-    """:func:`pack_meta`'s rows written into ``out`` (a NumPy int32 ``[num_seqs, width]`` view of a
-    pinned buffer), rows past the requests zeroed (``q_len = 0``: the kernel skips them). Same
-    checks; no Python lists of lists (a batch-32 step's meta in tens of µs, not hundreds).
+    """Per request ``[kv_len, q_len, q_start, page ids...]`` written into ``out`` (NumPy int32
+    ``[num_seqs, width]``, e.g. a view of a pinned buffer reused step after step); rows past the
+    requests get ``q_len = 0`` (the kernel skips them), columns past a request's pages are never
+    read. No Python lists of lists: a batch-32 step's meta in tens of µs, not hundreds.
 
     Raises:
-        ConfigError: as :func:`pack_meta`, or more requests than ``out`` has rows.
+        ConfigError: a request has ``kv_len < q_len``, a page table too short for its ``kv_len``,
+            a row wider than ``out``, or more requests than ``out`` has rows.
     """
     n, width = out.shape
     if len(q_lens) > n:
@@ -265,7 +266,7 @@ class TritonGQABackend(AttentionBackend):
     name = "triton_gqa"
     capturable = True  # run() launches from host integers only: CUDA-graph safe
     pack_meta = staticmethod(pack_meta)  # the rows of a graph plan's static meta buffer
-    pack_meta_into = staticmethod(pack_meta_into)  # the same, written into a pinned buffer's NumPy view
+    pack_meta_into = staticmethod(pack_meta_into)  # the same, written into it in place (what graph steps use)
 
     def __init__(self, max_splits: int = 16, min_split_tokens: int = 256):
         if max_splits < 1:
@@ -324,9 +325,10 @@ class TritonGQABackend(AttentionBackend):
         """
         tpb = batch.tokens_per_block
         width = 3 + max(-(-kv // tpb) for kv in batch.kv_lens)
-        rows = pack_meta(batch.q_lens, batch.kv_lens, batch.page_tables, tpb, width)
+        rows = np.zeros((len(batch.q_lens), width), dtype=np.int32)
+        pack_meta_into(rows, batch.q_lens, batch.kv_lens, batch.page_tables, tpb)
         q_start = batch.num_tokens
-        meta = torch.tensor(rows, dtype=torch.int32).to(batch.device)
+        meta = torch.from_numpy(rows).to(batch.device)
         return TritonGQAPlan(
             meta=meta,
             kv_lens=meta[:, 0],
