@@ -80,8 +80,8 @@ def main() -> None:
                                                config=cfg) for _ in range(LAYERS)],
         }
 
-    space = {"one_pass": [False, True], "block_k": [64, 128, 256], "num_stages": [3, 4]}
-    second = {"block_n": [16, 32], "num_warps": [2, 4], "norm_block_k": [64, 256, 1024]}
+    space = {"block_k": [64, 128, 256], "num_stages": [3, 4]}
+    second = {"block_n": [16, 32], "num_warps": [2, 4]}
     rows = [int(r) for r in args.rows.split(",")]
     for name in args.kernels.split(","):
         for m in rows:
@@ -91,10 +91,9 @@ def main() -> None:
             best = (float("inf"), base)
             stage2 = [dict(zip(second, v)) for v in itertools.product(*second.values())]
             if name == "qkv":
-                stage2 = [{"head_split": h, "num_warps": w, "norm_block_k": nb} for h in (1, 2) for w in (2, 4)
-                          for nb in (64, 256, 1024)]
+                stage2 = [{"head_split": h, "num_warps": w} for h in (1, 2) for w in (2, 4)]
             if name == "lm_head":
-                stage2 = [{"block_n_wide": b, "norm_block_k": nb} for b in (64, 128) for nb in (64, 1024)]
+                stage2 = [{"block_n_wide": b} for b in (64, 128)]
             for stage in ([dict(zip(space, v)) for v in itertools.product(*space.values())], stage2):
                 start_cfg = best[1]
                 for over in stage:

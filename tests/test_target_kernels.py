@@ -130,12 +130,12 @@ def tol_for(dtype, want=None):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 17])
-@pytest.mark.parametrize("mode", ["plain", "norm", "silu_mul", "residual", "norm_fp32_out", "norm_one_pass",
-                                  "silu_mul_one_pass"])
+@pytest.mark.parametrize("mode", ["plain", "norm", "silu_mul", "residual", "norm_fp32_out", "norm_short_k_tiles",
+                                  "silu_mul_short_k_tiles"])
 def test_fused_linear_matches_the_unfused_layers(dtype, m, mode):
     k, n = (100, 40) if mode != "norm_fp32_out" else (72, 300)
-    cfg = {"one_pass": mode.endswith("one_pass"), "block_k": 32 if mode.endswith("one_pass") else 64}
-    mode = mode.removesuffix("_one_pass")
+    cfg = {"block_k": 32 if mode.endswith("short_k_tiles") else 64}  # 32: a 4-step K loop, a partial last tile
+    mode = mode.removesuffix("_short_k_tiles")
     x = randn(m, k, dtype=dtype, seed=1) * 0.5
     w = randn(2 * n if mode == "silu_mul" else n, k, dtype=dtype, seed=2) * 0.1
     nw = randn(k, dtype=dtype, seed=3)
@@ -219,7 +219,7 @@ def test_fused_linear_rows_do_not_depend_on_the_batch(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D,bias,config", [(16, False, None), (64, True, None),
-                                           (64, False, {"head_split": 1, "one_pass": True})])
+                                           (64, False, {"head_split": 1, "block_k": 32})])
 def test_qkv_rope_write_kv_equals_norm_gemm_rope_and_cache_writes(dtype, D, bias, config):
     T, H, Hkv, hidden, slots_total = 5, 4, 2, 80, 40
     x = randn(T, hidden, dtype=dtype, seed=1)

@@ -237,12 +237,11 @@ def _rstd_from_parts(SS, rows, rmask, num_parts, K, eps, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _load_scaled_input(X, NW, rows, rmask, kk, kmask, stride_x):
-    # one-pass norm: (x * norm weight) rounded for the dot, and the tile's share of each row's sum of squares
-    xf = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                 other=0.0).to(tl.float32)
-    nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
-    return (xf * nw[None, :]).to(X.dtype.element_ty), tl.sum(xf * xf, 1)
+def _rstd(X, SS_IN, rows, rmask, stride_x, parts_in, K, eps, NORM_FROM_SS: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_K: tl.constexpr, PARTS_BLOCK: tl.constexpr):
+    if NORM_FROM_SS:
+        return _rstd_from_parts(SS_IN, rows, rmask, parts_in, K, eps, BLOCK_M, PARTS_BLOCK)
+    return _row_rstd(X, rows, rmask, stride_x, K, eps, BLOCK_M, BLOCK_K)
 
 
 @triton.jit
@@ -258,45 +257,27 @@ def _load_input(X, NW, rows, rmask, kk, kmask, rstd, stride_x, HAS_NORM: tl.cons
 @triton.jit
 def _linear_kernel(X, W, Y, NW, RES, SS_IN, SS_OUT, M, N, K, stride_x, stride_w, stride_y, stride_r, eps,
                    parts_in, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
-                   IEEE: tl.constexpr, ONE_PASS: tl.constexpr, NORM_FROM_SS: tl.constexpr, WRITE_SS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                   PARTS_BLOCK: tl.constexpr):
+                   PRECISION: tl.constexpr, NORM_FROM_SS: tl.constexpr, WRITE_SS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_BLOCK: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, cmask = rows < M, cols < N
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM and NORM_FROM_SS:
-        rstd = _rstd_from_parts(SS_IN, rows64, rmask, parts_in, K, eps, BLOCK_M, PARTS_BLOCK)
-    elif HAS_NORM and not ONE_PASS:
-        rstd = _row_rstd(X, rows64, rmask, stride_x, K, eps, BLOCK_M, NORM_BLOCK)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:
+        rstd = _rstd(X, SS_IN, rows64, rmask, stride_x, parts_in, K, eps, NORM_FROM_SS, BLOCK_M, BLOCK_K, PARTS_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
-        if HAS_NORM and ONE_PASS and not NORM_FROM_SS:  # (x * norm weight) @ W^T, times rstd at the end
-            x, part = _load_scaled_input(X, NW, rows64, rmask, kk, kmask, stride_x)
-            ss += part
-        else:
-            x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, HAS_NORM)
+        x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, HAS_NORM)
         wmask = cmask[:, None] & kmask[None, :]
         w = tl.load(W + cols64[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if SILU_MUL:  # rows [N, 2N) of W are the up projection
             u = tl.load(W + (cols64 + N)[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-            if IEEE:
-                acc_up += tl.dot(x, tl.trans(u), input_precision="ieee")
-            else:
-                acc_up += tl.dot(x, tl.trans(u))
-    if HAS_NORM and ONE_PASS and not NORM_FROM_SS:
-        r = tl.rsqrt(ss / K + eps)
-        acc = acc * r[:, None]
-        acc_up = acc_up * r[:, None]
+            acc_up += tl.dot(x, tl.trans(u), input_precision=PRECISION)
     out = acc.to(X.dtype.element_ty).to(tl.float32)  # the GEMM's output, rounded
     if SILU_MUL:
         act = (out / (1.0 + tl.exp(-out))).to(X.dtype.element_ty).to(tl.float32)
@@ -314,10 +295,9 @@ def _linear_kernel(X, W, Y, NW, RES, SS_IN, SS_OUT, M, N, K, stride_x, stride_w,
 @triton.jit
 def _qkv_rope_kernel(X, W, BIAS, NW, SS_IN, Q, KC, VC, COS, SIN, POS, SLOTS, M, K, stride_x, stride_w, stride_q,
                      stride_c, stride_ks, stride_kh, stride_vs, stride_vh, num_heads, num_kv_heads, eps, parts_in,
-                     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ONE_PASS: tl.constexpr, NORM_FROM_SS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, NORM_FROM_SS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HEAD_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                     PARTS_BLOCK: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_BLOCK: tl.constexpr):
     # program (head part, row block): heads [0, H) are Q, [H, H + Hkv) K, then V. A program
     # computes columns d and d + D/2 of its head (two GEMM tiles), so rotate-half RoPE pairs
     # them in registers; HEAD_SPLIT programs share a head (more programs for a small model).
@@ -328,35 +308,18 @@ def _qkv_rope_kernel(X, W, BIAS, NW, SS_IN, Q, KC, VC, COS, SIN, POS, SLOTS, M, 
     d = (tl.program_id(0) % HEAD_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
     dmask = d < HALF
     lo = (head * HEAD_DIM + d).to(tl.int64)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM_FROM_SS:
-        rstd = _rstd_from_parts(SS_IN, rows64, rmask, parts_in, K, eps, BLOCK_M, PARTS_BLOCK)
-    elif not ONE_PASS:
-        rstd = _row_rstd(X, rows64, rmask, stride_x, K, eps, BLOCK_M, NORM_BLOCK)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rstd = _rstd(X, SS_IN, rows64, rmask, stride_x, parts_in, K, eps, NORM_FROM_SS, BLOCK_M, BLOCK_K, PARTS_BLOCK)
     acc1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
-        if ONE_PASS and not NORM_FROM_SS:
-            x, part = _load_scaled_input(X, NW, rows64, rmask, kk, kmask, stride_x)
-            ss += part
-        else:
-            x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, True)
+        x = _load_input(X, NW, rows64, rmask, kk, kmask, rstd, stride_x, True)
         wmask = dmask[:, None] & kmask[None, :]
         w1 = tl.load(W + lo[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
         w2 = tl.load(W + (lo + HALF)[:, None] * stride_w + kk[None, :], mask=wmask, other=0.0)
-        if IEEE:
-            acc1 += tl.dot(x, tl.trans(w1), input_precision="ieee")
-            acc2 += tl.dot(x, tl.trans(w2), input_precision="ieee")
-        else:
-            acc1 += tl.dot(x, tl.trans(w1))
-            acc2 += tl.dot(x, tl.trans(w2))
-    if ONE_PASS and not NORM_FROM_SS:
-        r = tl.rsqrt(ss / K + eps)
-        acc1 = acc1 * r[:, None]
-        acc2 = acc2 * r[:, None]
+        acc1 += tl.dot(x, tl.trans(w1), input_precision=PRECISION)
+        acc2 += tl.dot(x, tl.trans(w2), input_precision=PRECISION)
     if HAS_BIAS:
         acc1 += tl.load(BIAS + lo, mask=dmask, other=0.0).to(tl.float32)[None, :]
         acc2 += tl.load(BIAS + lo + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -388,17 +351,15 @@ def _qkv_rope_kernel(X, W, BIAS, NW, SS_IN, Q, KC, VC, COS, SIN, POS, SLOTS, M, 
             tl.store(dst + HALF + d[None, :], o2.to(KC.dtype.element_ty), mask=omask)
 
 
-#: Launch configuration of the fused GEMMs: (BLOCK_N, BLOCK_K, num_warps, num_stages, ONE_PASS).
-#: ``ONE_PASS`` folds the RMSNorm into the GEMM loop (the row's rstd scales the accumulator at
-#: the end) instead of a first pass over the row: one read of ``x``, a rounding of its own.
+#: Launch configuration of the fused GEMMs: BLOCK_N (``block_n_wide`` for N > 2048), BLOCK_K,
+#: num_warps, num_stages (and, for the QKV kernel, programs per head).
 #: Defaults: the best of ``bench/linear_sweep.py`` on an H200 (SmolLM2's shapes, 1-32 rows); the
 #: down projection (K = 1536) and the LM head (N = 49152) take their own (see ``_linear_config``).
-LINEAR_CONFIG = {"block_n": 16, "block_n_wide": 128, "block_k": 64, "num_warps": 4, "num_stages": 4,
-                 "one_pass": False, "norm_block_k": 64}
+LINEAR_CONFIG = {"block_n": 16, "block_n_wide": 128, "block_k": 64, "num_warps": 4, "num_stages": 4}
 SILU_MUL_CONFIG = {**LINEAR_CONFIG, "block_n": 32}
 LONG_K_CONFIG = {**LINEAR_CONFIG, "block_k": 256, "num_warps": 2}
 WIDE_N_CONFIG = {**LINEAR_CONFIG, "num_stages": 3}
-QKV_CONFIG = {"block_k": 64, "num_warps": 4, "num_stages": 4, "one_pass": False, "head_split": 2, "norm_block_k": 64}
+QKV_CONFIG = {"block_k": 64, "num_warps": 4, "num_stages": 4, "head_split": 2}
 
 
 def _linear_config(n: int, k: int, silu_mul: bool) -> dict:
@@ -412,6 +373,16 @@ def _linear_config(n: int, k: int, silu_mul: bool) -> dict:
 def ss_parts(n: int, k: int) -> int:
     """Columns of the ``ss_out`` buffer of a plain ``fused_linear`` of an ``[N, K]`` weight."""
     return triton.cdiv(n, _block_n(n, _linear_config(n, k, False)))
+
+
+def _block_k(k: int, cfg: dict) -> int:
+    """Reduction tile: the configured one, or K itself (a power of two >= 16) when smaller."""
+    return min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
+
+
+def _precision(x: torch.Tensor) -> str:
+    """``tl.dot`` precision: IEEE for fp32 (lossless tests); ignored for 16-bit operands."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _block_n(n: int, cfg: dict) -> int:
@@ -467,12 +438,10 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
                          norm_ss if norm_ss is not None else out, ss_out if ss_out is not None else out, m, n, k,
                          x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps, parts_in,
                          HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
-                         IEEE=x.dtype == torch.float32, ONE_PASS=cfg["one_pass"],
-                         NORM_FROM_SS=norm_ss is not None and norm_weight is not None, WRITE_SS=ss_out is not None,
-                         BLOCK_M=FUSED_BLOCK_M, BLOCK_N=bn,
-                         BLOCK_K=min(cfg["block_k"], max(16, triton.next_power_of_2(k))),
-                         PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)),
-                         NORM_BLOCK=min(cfg["norm_block_k"], max(16, triton.next_power_of_2(k))), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                         PRECISION=_precision(x), NORM_FROM_SS=norm_ss is not None and norm_weight is not None,
+                         WRITE_SS=ss_out is not None, BLOCK_M=FUSED_BLOCK_M, BLOCK_N=bn, BLOCK_K=_block_k(k, cfg),
+                         PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)), num_warps=cfg["num_warps"],
+                         num_stages=cfg["num_stages"])
     return out
 
 
@@ -509,11 +478,8 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor 
             k_cache, v_cache, cos, sin, positions,
             slots, t, k, x.stride(0), w_qkv.stride(0), q.stride(0), cos.stride(0), k_cache.stride(0),
             k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), num_heads, num_kv_heads, eps, parts_in,
-            HAS_BIAS=b_qkv is not None, IEEE=x.dtype == torch.float32, ONE_PASS=cfg["one_pass"],
-            NORM_FROM_SS=norm_ss is not None, PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)),
-            HEAD_DIM=head_dim, HALF=half, HEAD_SPLIT=split, BLOCK_H=max(16, triton.next_power_of_2(half // split)),
-            BLOCK_M=FUSED_BLOCK_M,
-            BLOCK_K=min(cfg["block_k"], max(16, triton.next_power_of_2(k))),
-            NORM_BLOCK=min(cfg["norm_block_k"], max(16, triton.next_power_of_2(k))), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            HAS_BIAS=b_qkv is not None, PRECISION=_precision(x), NORM_FROM_SS=norm_ss is not None,
+            PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)), HEAD_DIM=head_dim, HALF=half, HEAD_SPLIT=split,
+            BLOCK_H=max(16, triton.next_power_of_2(half // split)), BLOCK_M=FUSED_BLOCK_M, BLOCK_K=_block_k(k, cfg),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return q.view(t, num_heads, head_dim)
