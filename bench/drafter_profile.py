@@ -56,14 +56,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch.nn.functional as F  # noqa: E402
 
 from specdec.drafters.base import Draft  # noqa: E402
-from specdec.drafters.block import _rms  # noqa: E402
 from specdec.drafters.dflash import BlockDrafter  # noqa: E402
 from specdec.kvcache import KVCacheManager, KVPool  # noqa: E402
 from specdec.kvcache.draft_kv import DraftKV  # noqa: E402
 from specdec.target import load_target  # noqa: E402
+from tests.test_block_propose import reference_propose  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
@@ -80,60 +79,10 @@ def build_target(device: str, dtype: torch.dtype):
         return load_target(tmp, dtype=dtype, device=device)
 
 
-def _old_rope(x, pos, theta):
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = pos.to(torch.float32)[..., None] * inv
-    cos, sin = torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([ang.sin()] * 2, -1).unsqueeze(-2)
-    rot = torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
-
-
-def _old_forward_block(net, x, positions, ctx_kv, ctx_valid):
-    c = net.config
-    N, B, _ = x.shape
-    mask = torch.cat([ctx_valid, ctx_valid.new_ones(N, B)], 1)[:, None, None, :]
-    for L, (kc, vc) in zip(net.layers, ctx_kv):
-        h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
-        q = _old_rope(L.qk(h, c, c.num_heads, "q"), positions, c.rope_theta)
-        k = _old_rope(L.qk(h, c, c.num_kv_heads, "k"), positions, c.rope_theta)
-        v = L.self_attn.v_proj(h).view(N, B, c.num_kv_heads, c.head_dim)
-        k = torch.cat([kc.expand(N, -1, -1, -1).to(k.dtype), k], 1).transpose(1, 2)
-        v = torch.cat([vc.expand(N, -1, -1, -1).to(v.dtype), v], 1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
-        x = x + L.self_attn.o_proj(o.transpose(1, 2).reshape(N, B, -1))
-        h = _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps)
-        m = L.mlp
-        x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
-    return _rms(x, net.norm.weight, c.rms_norm_eps)
-
-
-@torch.inference_mode()
 def old_propose(d: BlockDrafter, req_ids, max_tokens: int) -> list[Draft]:
-    """``BlockDrafter.propose`` before this change, verbatim (the baseline; GQA drafters)."""
-    c, dev = d.config, d._embed.device
-    B, N = c.block_size, len(req_ids)
-    anchors = [d._tokens[r][-1] for r in req_ids]
-    ctx_lens = [d._ctx_len[r] for r in req_ids]
-    ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=dev)
-    ids[:, 0] = torch.tensor(anchors, device=dev)
-    positions = torch.tensor(ctx_lens, device=dev)[:, None] + torch.arange(B, device=dev)
-    tpb, width = d.kv.tokens_per_block, max(1, max(ctx_lens))
-    gather = torch.zeros(N, width, dtype=torch.long)
-    valid = torch.zeros(N, width, dtype=torch.bool)
-    offs = torch.arange(tpb)
-    for i, (r, n) in enumerate(zip(req_ids, ctx_lens)):
-        if n:
-            pages = torch.tensor(d.kv.page_table(r)[: -(-n // tpb)])
-            gather[i, :n] = (pages[:, None] * tpb + offs).flatten()[:n]
-            valid[i, :n] = True
-    gather, valid = gather.to(dev), valid.to(dev)
-    ctx_kv = [(d.kv.k(i)[gather], None if d.kv.v(i) is None else d.kv.v(i)[gather]) for i in range(c.num_layers)]
-    h = _old_forward_block(d.net, d._embed[ids], positions, ctx_kv, valid)
-    slots = list(d._slots)[:max_tokens]
-    logits = F.linear(h[:, slots], d._lm_head)
-    return [Draft(tuple(t)) for t in logits.argmax(-1).tolist()]
+    """``BlockDrafter.propose`` before this change (the baseline): the frozen copy the tests check
+    the new path against (``tests/test_block_propose.py``)."""
+    return [Draft(t) for t in reference_propose(d, req_ids, max_tokens)[0]]
 
 
 class Bench:

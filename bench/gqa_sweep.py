@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
 
 from specdec.attention.backends import triton_gqa as G  # noqa: E402
 
@@ -78,12 +79,7 @@ def main() -> None:
         md.append(f"| {b} | {kv} | {ql} | {d[0]['us']:.2f} | {best['us']:.2f} | {best['block_n']} | "
                   f"{best['num_stages']} | {best['min_split_tokens']} | {best['splits']} |")
     text = "\n".join(md)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gqa_sweep.md").write_text(text + "\n")
-        (out / "gqa_sweep.json").write_text(json.dumps(results, indent=1))
+    write_results(args.out, "gqa_sweep", text, results)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
+
 from specdec.target import kernels as K  # noqa: E402
 
 LAYERS, HID, INTER, H, HKV, D, VOCAB = 30, 576, 1536, 9, 3, 64, 49152
@@ -155,12 +157,7 @@ def main() -> None:
     md += [f"| {r['m']} | {r['old_us_per_layer']:.1f} | {r['new_us_per_layer']:.1f} | {r['new_default_us_per_layer']:.1f} |"
            for r in results["layer"]]
     text = "\n".join(md)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "linear_sweep.md").write_text(text + "\n")
-        (out / "linear_sweep.json").write_text(json.dumps(results, indent=1))
+    write_results(args.out, "linear_sweep", text, results)
 
 
 if __name__ == "__main__":

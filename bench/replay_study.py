@@ -28,6 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
+
 from specdec.drafters import SuffixAutomatonDrafter  # noqa: E402
 from specdec.drafters.replay import replay  # noqa: E402
 
@@ -95,12 +97,7 @@ def main() -> None:
                   f"{r['mean_accepted_length'] / default['mean_accepted_length']:.2f}x | {r['acceptance_rate']:.3f} | "
                   f"{r['drafted_per_step']:.2f} |")
     text = "\n".join(md)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "replay_study.md").write_text(text + "\n")
-        (out / "replay_study.json").write_text(json.dumps({"header": head, "rows": rows}, indent=1))
+    write_results(args.out, "replay_study", text, {"header": head, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
+
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
 from specdec.target.llama import LlamaConfig, LlamaTarget  # noqa: E402
 
@@ -208,13 +210,7 @@ def main() -> None:
         md += ["", "greedy outputs of `gemm` equal to `fused`: "
                + ", ".join(f"batch {b}: {n}/{b}" for b, n in equal.items())]
     text = "\n".join(md)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "step_profile.md").write_text(text + "\n")
-        (out / "step_profile.json").write_text(json.dumps({"rows": rows, "profiles": profiles,
-                                                           "equal": equal, "header": head}, indent=1))
+    write_results(args.out, "step_profile", text, {"rows": rows, "profiles": profiles, "equal": equal, "header": head})
 
 
 if __name__ == "__main__":
