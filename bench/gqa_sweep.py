@@ -44,8 +44,7 @@ def main() -> None:
         width = 3 + pages
         best = None
         for bn, stages, min_split in itertools.product((32, 64, 128), (1, 2, 3), (64, 256, 1 << 20)):
-            G.TUNING.update(block_n=bn, num_stages=stages)
-            backend = G.TritonGQABackend(max_splits=16, min_split_tokens=min_split)
+            backend = G.TritonGQABackend(max_splits=16, min_split_tokens=min_split, key_tile=bn, num_stages=stages)
             meta = torch.tensor(backend.pack_meta([ql] * b, [kv] * b, tables, TPB, width), dtype=torch.int32,
                                 device=dev)
             plan = backend.graph_plan(meta, b * ql, ql, kv, TPB)
@@ -64,7 +63,6 @@ def main() -> None:
             results.append(row)
             if best is None or us < best["us"]:
                 best = row
-        G.TUNING.update(block_n=None, num_stages=None)
         default = [r for r in results if (r["batch"], r["kv_len"], r["q_len"]) == (b, kv, ql)
                    and r["block_n"] == 64 and r["num_stages"] == 2 and r["min_split_tokens"] == 256]
         print(f"b={b} kv={kv} q={ql}: best {best}; default {default[0]['us'] if default else None:.2f} us", flush=True)

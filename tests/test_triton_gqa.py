@@ -41,7 +41,7 @@ from specdec.attention.backends.triton_gqa import TritonGQABackend  # noqa: E402
 from specdec.attention.metadata import plan_step  # noqa: E402
 from specdec.attention.selector import select  # noqa: E402
 from specdec.attention.shapes import AttnShape  # noqa: E402
-from specdec.errors import UnsupportedShapeError  # noqa: E402
+from specdec.errors import ConfigError, UnsupportedShapeError  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = triton_gqa.INTERPRETED
@@ -149,6 +149,24 @@ def split_backend(monkeypatch):
     backend = TritonGQABackend(max_splits=4, min_split_tokens=16)
     monkeypatch.setitem(selector._BACKENDS, backend.name, backend)
     return backend
+
+
+@needs_kernels
+@pytest.mark.parametrize(("key_tile", "num_stages"), [(16, 1), (32, 3), (256, 2)])
+def test_tuned_key_tiles_and_stages_give_the_reference(monkeypatch, key_tile, num_stages):
+    """A backend built with another key tile / pipeline depth (what bench/gqa_sweep.py times) still
+    computes the reference, for decode and verify over several pages."""
+    backend = TritonGQABackend(max_splits=4, min_split_tokens=16, key_tile=key_tile, num_stages=num_stages)
+    monkeypatch.setitem(selector._BACKENDS, backend.name, backend)
+    check(make_step([], [(3, 70), (1, 33)], h=4, hkv=2, d=32, tpb=8, dtype=torch.bfloat16, seed=key_tile))
+
+
+@pytest.mark.parametrize(("kw", "match"), [(dict(key_tile=24), "key_tile must be a power of two >= 16"),
+                                           (dict(key_tile=8), "key_tile must be a power of two >= 16"),
+                                           (dict(num_stages=0), "num_stages must be >= 1")])
+def test_backend_settings_are_checked(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        TritonGQABackend(**kw)
 
 
 # --------------------------------------------------------------------------- supports / cost

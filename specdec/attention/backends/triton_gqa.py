@@ -261,6 +261,9 @@ class TritonGQABackend(AttentionBackend):
     Args:
         max_splits: most KV splits per (request, KV head).
         min_split_tokens: fewest KV tokens per split; below it a context is not split.
+        key_tile: keys per tile of 16-bit runs (a power of two >= 16), instead of :func:`_tile_sizes`'
+            choice (``bench/gqa_sweep.py``).
+        num_stages: software-pipeline depth of the attention kernel.
     """
 
     name = "triton_gqa"
@@ -268,12 +271,18 @@ class TritonGQABackend(AttentionBackend):
     pack_meta = staticmethod(pack_meta)  # the rows of a graph plan's static meta buffer
     pack_meta_into = staticmethod(pack_meta_into)  # the same, written into it in place (what graph steps use)
 
-    def __init__(self, max_splits: int = 16, min_split_tokens: int = 256):
+    def __init__(self, max_splits: int = 16, min_split_tokens: int = 256, key_tile: int | None = None,
+                 num_stages: int = 2):
         if max_splits < 1:
             raise ConfigError(f"TritonGQABackend.max_splits must be >= 1, got {max_splits}")
         if min_split_tokens < 1:
             raise ConfigError(f"TritonGQABackend.min_split_tokens must be >= 1, got {min_split_tokens}")
+        if key_tile is not None and (key_tile < 16 or key_tile & (key_tile - 1)):
+            raise ConfigError(f"TritonGQABackend.key_tile must be a power of two >= 16 or None, got {key_tile}")
+        if num_stages < 1:
+            raise ConfigError(f"TritonGQABackend.num_stages must be >= 1, got {num_stages}")
         self.max_splits, self.min_split_tokens = max_splits, min_split_tokens
+        self.key_tile, self.num_stages = key_tile, num_stages
         self._num_sms: dict[int, int] = {}
 
     # -- contract --------------------------------------------------------------
@@ -392,6 +401,8 @@ class TritonGQABackend(AttentionBackend):
         group = num_heads // num_kv_heads
         block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
         block_m, block_n = _tile_sizes(q.dtype == torch.float32, max(block_d, block_dv), plan.max_q_len * group)
+        if self.key_tile and q.dtype != torch.float32:
+            block_n = self.key_tile
         m_blocks = -(-plan.max_q_len * group // block_m)
         splits = plan.num_splits or self._num_splits(plan, m_blocks * num_kv_heads)
         if splits > 1:
@@ -409,7 +420,7 @@ class TritonGQABackend(AttentionBackend):
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=8 if block_m * max(block_d, block_dv) >= 128 * 128 else 4,
-            num_stages=TUNING["num_stages"] or 2,
+            num_stages=self.num_stages,
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
@@ -435,11 +446,6 @@ class TritonGQABackend(AttentionBackend):
         return self._num_sms[index]
 
 
-#: Overrides of the 16-bit key tile (``block_n``) and the pipeline depth (``num_stages``), for
-#: ``bench/gqa_sweep.py``; ``None`` keeps the defaults below.
-TUNING: dict[str, int | None] = {"block_n": None, "num_stages": None}
-
-
 def _tile_sizes(fp32: bool, block_d: int, rows: int) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)``: query rows per program and keys per tile.
 
@@ -455,7 +461,7 @@ def _tile_sizes(fp32: bool, block_d: int, rows: int) -> tuple[int, int]:
     block_m = min(cap, _pow2(rows))
     if block_d <= 64 and block_m <= 32:
         block_n = 128  # decode/verify of small heads: fewer, longer key tiles (bench/gqa_sweep.py: 6.0 -> 4.5 µs)
-    return block_m, TUNING["block_n"] or block_n
+    return block_m, block_n
 
 
 def _pow2(n: int) -> int:
