@@ -150,9 +150,7 @@ class ModelRunner:
         captured = self._graphs.get(key) if key is not None else None
         backend = captured.backend if captured is not None else None  # selected when it was captured
         if key is not None and captured is None:
-            backend = select(self.shape_of("generation", key.max_q_len, False), self.requested)
-            if not getattr(backend, "capturable", False):
-                why = f"backend {backend.name} cannot be captured"
+            backend, why = self._graph_backend(key)
         if why:
             self.stats["eager_steps"] += 1
             self.stats["eager_reasons"][why] += 1
@@ -191,15 +189,18 @@ class ModelRunner:
             n = sum(q_lens)
             step = StepInput([0] * n, [p for q in q_lens for p in range(kv - q, kv)], [self.scratch_slot] * n,
                              [], [(q, kv, table) for q in q_lens], list(range(n)), True)
-            got, why = graph_key(self.policy, q_lens, [kv] * len(q_lens))
-            assert got == key, (got, key, why)
-            backend = select(self.shape_of("generation", key.max_q_len, False), self.requested)
-            if not getattr(backend, "capturable", False):
+            backend, why = self._graph_backend(key)
+            if why:
                 return done - 1
             self._capture(key, backend, step)
             if progress is not None:
                 progress(done, len(buckets))
         return len(buckets)
+
+    def _graph_backend(self, key: GraphKey):
+        """The generation backend a bucket's graph would launch, and why it cannot ("" if it can)."""
+        backend = select(self.shape_of("generation", key.max_q_len, False), self.requested)
+        return backend, "" if getattr(backend, "capturable", False) else f"backend {backend.name} cannot be captured"
 
     # -- eager -----------------------------------------------------------------
     def _eager(self, step: StepInput) -> StepResult:
