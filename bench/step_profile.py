@@ -5,8 +5,9 @@
 
 For each forward path of :class:`~specdec.target.llama.LlamaTarget` on the GPU
 (``fused``: fused elementwise kernels beside cuBLAS GEMMs; ``gemm``: the fused
-GEMM kernels of ``kernels.py``, five a layer plus attention) and each batch
-size, in the same run:
+GEMM kernels of ``kernels.py``, five a layer plus attention; ``gemm_pdl1`` /
+``gemm_pdl2``: the same with programmatic dependent launch, level 1 or 2, see
+``specdec/pdl.py``; ``gemm`` launches plainly) and each batch size, in the same run:
 
 - ``replay µs``: one CUDA-graph replay of the generation bucket, timed over
   many replays (the GPU time of a step, no host work);
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
 
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
+from specdec.attention.selector import get_backend  # noqa: E402
 from specdec.target.llama import LlamaConfig, LlamaTarget  # noqa: E402
 
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -146,6 +148,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=200, help="graph replays timed per bucket")
     ap.add_argument("--quick", action="store_true", help="2 layers, batch 1 and 2, 8 tokens (a smoke run)")
+    ap.add_argument("--modes", default="fused,gemm,gemm_pdl1,gemm_pdl2", help="forward paths to compare (GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -154,10 +157,13 @@ def main() -> None:
         batches, args.new_tokens, args.prompt_len, args.reps = [1, 2], 8, 24, 5
     target = random_target(args.device, dtype, layers=2 if args.quick else None)
     on_gpu = args.device.startswith("cuda")
-    modes = ["fused", "gemm"] if on_gpu else ["plain"]
+    modes = args.modes.split(",") if on_gpu else ["plain"]
     rows, outputs, profiles = [], {}, {}
+    attention = get_backend("triton_gqa")
     for mode in modes:
-        target.fused, target.fused_gemm = on_gpu, mode == "gemm"
+        target.fused, target.fused_gemm = on_gpu, mode.startswith("gemm")
+        target.pdl = int(mode.removeprefix("gemm_pdl")) if mode.startswith("gemm_pdl") else 0
+        attention.pdl = target.pdl > 0  # attention launches as the GEMMs around it do
         for b in batches:
             ids = prompts(b, args.prompt_len, target.vocab_size)
             engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b))
@@ -180,14 +186,14 @@ def main() -> None:
                    "graph_steps": engine.graph_stats["graph_steps"], "steps": steps}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            if on_gpu and b == batches[0]:
+            if on_gpu and b == batches[0] and mode in ("fused", "gemm", modes[-1]):
                 profiles[f"{mode} replay b{b}"] = replay_profile(engine, args.device)
-        if on_gpu:
+        if on_gpu and mode in ("fused", "gemm"):
             profiles[f"{mode} eager b1"] = kernel_profile(target, args.device, prompts(1, args.prompt_len, target.vocab_size),
                                             min(16, args.new_tokens))
             print(mode, json.dumps(profiles[f"{mode} eager b1"])[:600], flush=True)
-    equal = {b: sum(x == y for x, y in zip(outputs[("fused", b)], outputs[("gemm", b)]))
-             for b in batches} if on_gpu else {}
+    equal = {f"{m} b{b}": sum(x == y for x, y in zip(outputs[(modes[0], b)], outputs[(m, b)]))
+             for m in modes[1:] for b in batches} if on_gpu else {}
     dev = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
     head = (f"`python bench/step_profile.py {' '.join(sys.argv[1:])}` — {dev}, {datetime.date.today()}, "
             f"torch {torch.__version__}, {args.dtype}, SmolLM2-135M shape with random weights, prompts of "
@@ -207,8 +213,8 @@ def main() -> None:
                "| kernel | calls / step | µs / step |", "|---|---|---|"]
         md += [f"| `{t['kernel']}` | {t['calls_per_step']:.0f} | {t['us_per_step']:.1f} |" for t in p["top"]]
     if equal:
-        md += ["", "greedy outputs of `gemm` equal to `fused`: "
-               + ", ".join(f"batch {b}: {n}/{b}" for b, n in equal.items())]
+        md += ["", f"greedy outputs equal to `{modes[0]}`'s: "
+               + ", ".join(f"{k}: {n}/{k.rsplit(' b', 1)[1]}" for k, n in equal.items())]
     text = "\n".join(md)
     write_results(args.out, "step_profile", text, {"rows": rows, "profiles": profiles, "equal": equal, "header": head})
 

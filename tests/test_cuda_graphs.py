@@ -229,9 +229,13 @@ class TestSmolLM2OnGPU:
 
     @pytest.fixture(scope="class")
     def prompts(self):
+        from specdec.errors import CheckpointError
         from specdec.prompts import humaneval_prompts
 
-        return humaneval_prompts(range(100, 106))
+        try:  # the real model and prompts travel to the GPU machine only when staged
+            return humaneval_prompts(range(100, 106))
+        except CheckpointError as e:
+            pytest.skip(f"HumanEval prompts not installed on this machine: {e}")
 
     @pytest.mark.parametrize("batch", [1, 6])
     def test_strict_lossless_fp32(self, prompts, batch):

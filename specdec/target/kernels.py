@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.pdl import PDL_OFF, check_pdl, pdl_enter, prefetch_lines, prefetch_rows_l2
+
 
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, W, Y, stride_x, stride_d, stride_y, n_cols, eps,
@@ -215,6 +217,7 @@ FUSED_BLOCK_M = 16
 FUSED_GEMM_MAX_TOKENS = 512
 
 
+
 @triton.jit
 def _row_rstd(X, rows, rmask, stride_x, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -258,11 +261,18 @@ def _load_input(X, NW, rows, rmask, kk, kmask, rstd, stride_x, HAS_NORM: tl.cons
 def _linear_kernel(X, W, Y, NW, RES, SS_IN, SS_OUT, M, N, K, stride_x, stride_w, stride_y, stride_r, eps,
                    parts_in, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, HAS_RES: tl.constexpr,
                    PRECISION: tl.constexpr, NORM_FROM_SS: tl.constexpr, WRITE_SS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_BLOCK: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+                   PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, cmask = rows < M, cols < N
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    if PDL == 2:
+        wrows = tl.minimum(cols64, N - 1)
+        prefetch_rows_l2(W, wrows, stride_w, K, PF_LINES, PF_LINE)
+        if SILU_MUL:
+            prefetch_rows_l2(W, wrows + N, stride_w, K, PF_LINES, PF_LINE)
+    pdl_enter(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
         rstd = _rstd(X, SS_IN, rows64, rmask, stride_x, parts_in, K, eps, NORM_FROM_SS, BLOCK_M, BLOCK_K, PARTS_BLOCK)
@@ -297,7 +307,8 @@ def _qkv_rope_kernel(X, W, BIAS, NW, SS_IN, Q, KC, VC, COS, SIN, POS, SLOTS, M, 
                      stride_c, stride_ks, stride_kh, stride_vs, stride_vh, num_heads, num_kv_heads, eps, parts_in,
                      HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, NORM_FROM_SS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HEAD_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_BLOCK: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+                     PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr):
     # program (head part, row block): heads [0, H) are Q, [H, H + Hkv) K, then V. A program
     # computes columns d and d + D/2 of its head (two GEMM tiles), so rotate-half RoPE pairs
     # them in registers; HEAD_SPLIT programs share a head (more programs for a small model).
@@ -308,6 +319,11 @@ def _qkv_rope_kernel(X, W, BIAS, NW, SS_IN, Q, KC, VC, COS, SIN, POS, SLOTS, M, 
     d = (tl.program_id(0) % HEAD_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
     dmask = d < HALF
     lo = (head * HEAD_DIM + d).to(tl.int64)
+    if PDL == 2:
+        wrow = head * HEAD_DIM + tl.minimum(d, HALF - 1).to(tl.int64)
+        prefetch_rows_l2(W, wrow, stride_w, K, PF_LINES, PF_LINE)
+        prefetch_rows_l2(W, wrow + HALF, stride_w, K, PF_LINES, PF_LINE)
+    pdl_enter(PDL)
     rstd = _rstd(X, SS_IN, rows64, rmask, stride_x, parts_in, K, eps, NORM_FROM_SS, BLOCK_M, BLOCK_K, PARTS_BLOCK)
     acc1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -394,7 +410,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
                  eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                  norm_ss: torch.Tensor | None = None, ss_out: torch.Tensor | None = None,
-                 config: dict | None = None) -> torch.Tensor:
+                 config: dict | None = None, pdl: int = PDL_OFF) -> torch.Tensor:
     """``y = act(norm(x) @ weight^T) (+ residual)`` in one kernel, for steps of few rows.
 
     Args:
@@ -413,12 +429,17 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         ss_out: write each output row's partial sums of squares here (``[M, ss_parts(N, K)]`` fp32),
             for the next kernel's ``norm_ss``.
         config: overrides of :data:`LINEAR_CONFIG` (benchmarks).
+        pdl: programmatic dependent launch level (:mod:`specdec.pdl`).
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: shapes or strides that do not fit, or a ``pdl`` level this device cannot use.
     """
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    check_pdl(pdl, x.device)
     if weight.shape[1] != k or (silu_mul and weight.shape[0] % 2):
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (silu_mul={silu_mul})")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -434,14 +455,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     if ss_out is not None and tuple(ss_out.shape) != (m, grid[0]):
         raise ValueError(f"ss_out must be [{m}, {grid[0]}] (rows x column blocks), got {tuple(ss_out.shape)}")
     parts_in = norm_ss.shape[1] if norm_ss is not None else 1
+    lines, line = prefetch_lines(k, weight.element_size())
     _linear_kernel[grid](x, weight, out, norm_weight if norm_weight is not None else weight, res,
                          norm_ss if norm_ss is not None else out, ss_out if ss_out is not None else out, m, n, k,
                          x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps, parts_in,
                          HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_RES=residual is not None,
                          PRECISION=_precision(x), NORM_FROM_SS=norm_ss is not None and norm_weight is not None,
                          WRITE_SS=ss_out is not None, BLOCK_M=FUSED_BLOCK_M, BLOCK_N=bn, BLOCK_K=_block_k(k, cfg),
-                         PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)), num_warps=cfg["num_warps"],
-                         num_stages=cfg["num_stages"])
+                         PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)), PDL=pdl, PF_LINES=lines,
+                         PF_LINE=line, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                         launch_pdl=pdl > 0)
     return out
 
 
@@ -449,7 +472,7 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor 
                       eps: float, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, norm_ss: torch.Tensor | None = None,
-                      config: dict | None = None) -> torch.Tensor:
+                      config: dict | None = None, pdl: int = PDL_OFF) -> torch.Tensor:
     """RMSNorm, the fused QKV GEMM, RoPE on Q and K, and K/V stored at their cache slots: one kernel.
 
     Args:
@@ -461,10 +484,15 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor 
         slots: ``[T]`` cache slots; k_cache, v_cache: ``[num_slots, Hkv, D]``.
         norm_ss: partial sums of squares of ``x``'s rows (see :func:`fused_linear`), or ``None``.
         config: overrides of :data:`QKV_CONFIG` (benchmarks).
+        pdl: programmatic dependent launch level (:mod:`specdec.pdl`).
 
     Returns:
         the rotated queries ``[T, H, D]``.
+
+    Raises:
+        ValueError: a ``pdl`` level this device cannot use.
     """
+    check_pdl(pdl, x.device)
     t, k = x.shape
     q = torch.empty(t, num_heads * head_dim, dtype=x.dtype, device=x.device)
     if t:
@@ -473,6 +501,7 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor 
         split = cfg["head_split"] if half % cfg["head_split"] == 0 and half // cfg["head_split"] >= 16 else 1
         grid = ((num_heads + 2 * num_kv_heads) * split, triton.cdiv(t, FUSED_BLOCK_M))
         parts_in = norm_ss.shape[1] if norm_ss is not None else 1
+        lines, line = prefetch_lines(k, w_qkv.element_size())
         _qkv_rope_kernel[grid](
             x, w_qkv, b_qkv if b_qkv is not None else w_qkv, norm_weight, norm_ss if norm_ss is not None else q, q,
             k_cache, v_cache, cos, sin, positions,
@@ -481,5 +510,6 @@ def qkv_rope_write_kv(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor 
             HAS_BIAS=b_qkv is not None, PRECISION=_precision(x), NORM_FROM_SS=norm_ss is not None,
             PARTS_BLOCK=max(16, triton.next_power_of_2(parts_in)), HEAD_DIM=head_dim, HALF=half, HEAD_SPLIT=split,
             BLOCK_H=max(16, triton.next_power_of_2(half // split)), BLOCK_M=FUSED_BLOCK_M, BLOCK_K=_block_k(k, cfg),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            PDL=pdl, PF_LINES=lines, PF_LINE=line, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            launch_pdl=pdl > 0)
     return q.view(t, num_heads, head_dim)

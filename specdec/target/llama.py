@@ -189,6 +189,13 @@ class LlamaTarget:
         # plus attention; see kernels.py). Needs a cache of the compute dtype and no QK norm.
         self.fused_gemm = True
         self.fused_gemm_max_tokens = fused_gemm_max_tokens(self.layers[0] if self.layers else None)
+        # Programmatic dependent launch level of the fused GEMMs (specdec.pdl): on SM90+ each kernel
+        # launches while the previous one runs and prefetches its weights into L2 meanwhile.
+        self.pdl = 0
+        if self.fused:
+            from specdec.pdl import pdl_level
+
+            self.pdl = pdl_level(self.device)
 
     def _load(self, w: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -286,7 +293,7 @@ class LlamaTarget:
 
         c = self.config
         T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps, wanted, captured = c.rms_norm_eps, set(hidden_layer_ids), {}
+        eps, wanted, captured, pdl = c.rms_norm_eps, set(hidden_layer_ids), {}, self.pdl
         x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream, updated in place
         delta = None  # what the last sub-layer adds to x, folded into the next norm
         for i, L in enumerate(self.layers):
@@ -318,7 +325,7 @@ class LlamaTarget:
 
         c = self.config
         T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps, wanted, captured = c.rms_norm_eps, set(hidden_layer_ids), {}
+        eps, wanted, captured, pdl = c.rms_norm_eps, set(hidden_layer_ids), {}, self.pdl
         x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream
         # partial sums of squares of x's rows, left by the kernel that last wrote x for the next norm
         ss_o = torch.empty(T, ss_parts(c.hidden_size, H * D), dtype=torch.float32, device=x.device)
@@ -326,11 +333,11 @@ class LlamaTarget:
         for i, L in enumerate(self.layers):
             kc, vc = pool.k[i], pool.v[i]
             q = qkv_rope_write_kv(x, L.w_qkv, L.b_qkv, L.norm_in, eps, H, Hkv, D, self._cos, self._sin,
-                                  positions, attn.slot_mapping, kc, vc, norm_ss=ss_down if i else None)
+                                  positions, attn.slot_mapping, kc, vc, norm_ss=ss_down if i else None, pdl=pdl)
             o = attn.attend(q, None, None, kc, vc, self.scale, D)
-            fused_linear(o.reshape(T, H * D), L.w_o, residual=x, out=x, ss_out=ss_o)
-            a = fused_linear(x, L.w_gate_up, norm_weight=L.norm_post, eps=eps, silu_mul=True, norm_ss=ss_o)
-            fused_linear(a, L.w_down, residual=x, out=x, ss_out=ss_down)
+            fused_linear(o.reshape(T, H * D), L.w_o, residual=x, out=x, ss_out=ss_o, pdl=pdl)
+            a = fused_linear(x, L.w_gate_up, norm_weight=L.norm_post, eps=eps, silu_mul=True, norm_ss=ss_o, pdl=pdl)
+            fused_linear(a, L.w_down, residual=x, out=x, ss_out=ss_down, pdl=pdl)
             if i in wanted:
                 captured[i] = x.clone()
         return x, captured
@@ -340,6 +347,6 @@ class LlamaTarget:
             from specdec.target.kernels import fused_linear
 
             return fused_linear(hidden.contiguous(), self.lm_head, norm_weight=self.final_norm,
-                                eps=self.config.rms_norm_eps, out_dtype=torch.float32)
+                                eps=self.config.rms_norm_eps, out_dtype=torch.float32, pdl=self.pdl)
         h = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

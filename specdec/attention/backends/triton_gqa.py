@@ -42,6 +42,7 @@ from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.errors import ConfigError
+from specdec.pdl import pdl_enter, pdl_level
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
@@ -68,7 +69,9 @@ def _gqa_attn_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # programmatic dependent launch: wait for the kernel that wrote Q and the cache
     pid = tl.program_id(0)
     seq = pid // m_blocks
     m_block = pid % m_blocks
@@ -157,7 +160,9 @@ def _merge_splits_kernel(
     V_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part = (tok * num_heads + head) * NUM_SPLITS
@@ -264,6 +269,8 @@ class TritonGQABackend(AttentionBackend):
         key_tile: keys per tile of 16-bit runs (a power of two >= 16), instead of :func:`_tile_sizes`'
             choice (``bench/gqa_sweep.py``).
         num_stages: software-pipeline depth of the attention kernel.
+        pdl: launch with programmatic dependent launch (:mod:`specdec.pdl`); ``None``: where the
+            GPU has it (SM90+). ``True`` on a device without it is an error at ``run``.
     """
 
     name = "triton_gqa"
@@ -272,7 +279,7 @@ class TritonGQABackend(AttentionBackend):
     pack_meta_into = staticmethod(pack_meta_into)  # the same, written into it in place (what graph steps use)
 
     def __init__(self, max_splits: int = 16, min_split_tokens: int = 256, key_tile: int | None = None,
-                 num_stages: int = 2):
+                 num_stages: int = 2, pdl: bool | None = None):
         if max_splits < 1:
             raise ConfigError(f"TritonGQABackend.max_splits must be >= 1, got {max_splits}")
         if min_split_tokens < 1:
@@ -282,7 +289,9 @@ class TritonGQABackend(AttentionBackend):
         if num_stages < 1:
             raise ConfigError(f"TritonGQABackend.num_stages must be >= 1, got {num_stages}")
         self.max_splits, self.min_split_tokens = max_splits, min_split_tokens
-        self.key_tile, self.num_stages = key_tile, num_stages
+        if pdl not in (None, True, False):
+            raise ConfigError(f"TritonGQABackend.pdl must be True, False or None, got {pdl!r}")
+        self.key_tile, self.num_stages, self.pdl = key_tile, num_stages, pdl
         self._num_sms: dict[int, int] = {}
 
     # -- contract --------------------------------------------------------------
@@ -398,6 +407,7 @@ class TritonGQABackend(AttentionBackend):
         out = q.new_empty(num_tokens, num_heads, v_head_dim)  # [num_tokens, H, Dv]
         if num_tokens == 0:
             return out
+        pdl = self._pdl(q.device)
         group = num_heads // num_kv_heads
         block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
         block_m, block_n = _tile_sizes(q.dtype == torch.float32, max(block_d, block_dv), plan.max_q_len * group)
@@ -418,19 +428,25 @@ class TritonGQABackend(AttentionBackend):
             num_heads, m_blocks, scale * kv_scale * math.log2(math.e), kv_scale, plan.split_chunk,
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_head_dim, PAGE=plan.tokens_per_block, NUM_SPLITS=splits,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
             num_warps=8 if block_m * max(block_d, block_dv) >= 128 * 128 else 4,
-            num_stages=self.num_stages,
+            num_stages=self.num_stages, launch_pdl=pdl,
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, o_part, lse_part, *out.stride(), num_heads,
-                NUM_SPLITS=splits, V_DIM=v_head_dim, BLOCK_S=_pow2(splits), BLOCK_DV=block_dv,
-                num_warps=4 if block_dv >= 256 else 2,
+                NUM_SPLITS=splits, V_DIM=v_head_dim, BLOCK_S=_pow2(splits), BLOCK_DV=block_dv, PDL=pdl,
+                num_warps=4 if block_dv >= 256 else 2, launch_pdl=pdl,
             )
         return out
 
     # -- helpers ---------------------------------------------------------------
+    def _pdl(self, device: torch.device) -> bool:
+        available = pdl_level(device) > 0
+        if self.pdl and not available:
+            raise ConfigError(f"TritonGQABackend(pdl=True) needs a CUDA GPU with SM90 or newer, got {device}")
+        return available if self.pdl is None else self.pdl
+
     def _num_splits(self, plan: TritonGQAPlan, programs_per_seq: int) -> int:
         """Split the KV range only when (request, KV head, row block) programs cannot fill the GPU."""
         by_length = plan.max_kv_len // self.min_split_tokens

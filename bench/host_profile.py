@@ -1,0 +1,158 @@
+"""Where a decode step's *host* time goes: cProfile over engine steps, and the CPU cost of a replay.
+
+    python bench/host_profile.py --device cuda --out DIR       # the H200
+    python bench/host_profile.py --device cpu --quick           # a smoke run
+
+A SmolLM2-135M-shaped target with random weights (as ``step_profile.py``), the
+null drafter, greedy, graphs pre-captured. For each batch size it reports, in
+the same run:
+
+- the engine's per-step timers (schedule+prepare+verify+postprocess as ``host``,
+  the runner's ``launch`` and ``wait``) and the wall time per step; ``graph_launch``:
+  the runner's fill + replay call of graph steps alone (``launch`` also counts the eager
+  prompt step);
+- the CPU time of the pieces of a graph launch, each timed alone over many calls
+  with the device idle: input fill (NumPy), the two H2D copies, ``graph.replay()``;
+- with ``--cprofile``, cProfile's top functions by own time over the generation;
+- with ``--pdl 2,0,1,2``, each programmatic-dependent-launch level in turn.
+
+Writes ``host_profile.md`` and ``.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from results_io import write_results  # noqa: E402
+from step_profile import prompts, random_target, sync  # noqa: E402
+
+from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
+from specdec.attention.selector import get_backend  # noqa: E402
+
+
+def piece_us(fn, device: str, reps: int) -> float:
+    """CPU µs per call of ``fn`` (the device drained before and after, not between calls)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t = time.perf_counter() - t0
+    sync(device)
+    return 1e6 * t / reps
+
+
+def time_calls(obj, name: str) -> list[float]:
+    """Time every call of ``obj.name`` from now on (seconds, appended to the returned list)."""
+    fn, times = getattr(obj, name), []
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    setattr(obj, name, timed)
+    return times
+
+
+def launch_pieces(engine, device: str, reps: int) -> dict:
+    """CPU cost of each piece of a graph launch, on the largest captured bucket."""
+    runner = engine.runner
+    if not runner._graphs:
+        return {}
+    g = max(runner._graphs.values(), key=lambda c: c.key.num_tokens)
+    from specdec.graphs import pad_step_into
+
+    out = {}
+
+    n = g.key.num_tokens
+    ids, pos, slots = [0] * n, list(range(n)), [runner.scratch_slot] * n
+    out["pad_step_into_us"] = piece_us(lambda: pad_step_into(g.tokens_np, g.key, ids, pos, slots,
+                                                             runner.scratch_slot), device, reps)
+    out["h2d_tokens_us"] = piece_us(lambda: g.tokens_dev.copy_(g.tokens_host, non_blocking=True), device, reps)
+    out["h2d_meta_us"] = piece_us(lambda: g.meta_dev.copy_(g.meta_host, non_blocking=True), device, reps)
+    # replays back to back queue up on the device; time few so the queue never fills
+    out["replay_call_us"] = piece_us(g.graph.replay, device, min(reps, 20))
+    out["argmax_tolist_us"] = piece_us(lambda: g.outputs[1].tolist(), device, reps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--pdl", default=None,
+                    help="comma-separated PDL levels to run in turn (e.g. 2,0,1,2: repeats show host noise); "
+                         "default: the device's level only")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile each generation (top 25 functions)")
+    ap.add_argument("--quick", action="store_true", help="2 layers, 16 tokens (a smoke run)")
+    ap.add_argument("--out", default="out/host_profile")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    target = random_target(args.device, dtype, layers=2 if args.quick else None)
+    new_tokens = 16 if args.quick else args.new_tokens
+    rows, profiles = [], {}
+    levels = [int(x) for x in args.pdl.split(",")] if args.pdl else [target.pdl]
+    attention = get_backend("triton_gqa")
+    runs = [(level, int(b)) for level in levels for b in args.batch_sizes.split(",")]
+    for level, b in runs:
+        target.pdl, attention.pdl = level, level > 0
+        engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b))
+        engine.capture_graphs(max_kv_len=64 + new_tokens + 8, progress=False)
+        ids = prompts(b, 48, target.config.vocab_size)
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        engine.generate(ids, params)  # warm-up
+        for k in ("forward_s", "host_s", "draft_s", "verify_s", "steps"):
+            engine.timings[k] = 0
+        for k in ("launch_s", "wait_s"):
+            engine.runner.stats[k] = 0.0
+        replay_s = time_calls(engine.runner, "_replay")
+        sync(args.device)
+        t0 = time.perf_counter()
+        engine.generate(ids, params)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+        del engine.runner._replay  # the class's method again
+        t, s = engine.timings, engine.runner.stats
+        steps = max(1, t["steps"])
+        row = {"pdl": level, "batch": b, "steps": steps, "wall_us_per_step": 1e6 * wall / steps,
+               "launch_us": 1e6 * s["launch_s"] / steps, "wait_us": 1e6 * s["wait_s"] / steps,
+               "host_us": 1e6 * t["host_s"] / steps, "verify_us": 1e6 * t["verify_s"] / steps,
+               "draft_us": 1e6 * t["draft_s"] / steps,
+               "graph_launch_us": 1e6 * sum(replay_s) / max(1, len(replay_s))}
+        row.update(launch_pieces(engine, args.device, 200))
+        if args.cprofile:
+            prof = cProfile.Profile()
+            prof.enable()
+            engine.generate(ids, params)
+            sync(args.device)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            profiles[f"pdl {level}, batch {b}"] = buf.getvalue()
+        rows.append(row)
+        print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    keys = list(rows[0])
+    md = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    md += ["| " + " | ".join(f"{r.get(k, 0):.1f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys)
+           + " |" for r in rows]
+    for name, text in profiles.items():
+        md += ["", f"## cProfile, {name} (top 25 by own time)", "", "```", text.strip(), "```"]
+    write_results(args.out, "host_profile", "\n".join(md),
+                  {"rows": rows, "device": args.device, "dtype": args.dtype, "new_tokens": new_tokens})
+
+
+if __name__ == "__main__":
+    main()
