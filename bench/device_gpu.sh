@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # On the GPU machine (after the stage-for-device.sh stashes): GPU tests and the end-to-end tables.
 #   bash bench/device_gpu.sh tests     # GPU tests of graphs, fused kernels, triton_gqa
-#   bash bench/device_gpu.sh specdec   # specdec null/suffix (+ batch-invariant) at batch 1, 8, 32
+#   bash bench/device_gpu.sh realtests # only the real-model GPU tests
+#   bash bench/device_gpu.sh specdec   # specdec null/suffix at batch 1, 8, 32 (INVARIANT=1: + batch-invariant runs)
 #   bash bench/device_gpu.sh hf        # HF generate baselines (batch 1 on 100-107: HF is slow there)
 #   bash bench/device_gpu.sh block     # the block drafters at batch 8 and 32
 #   bash bench/device_gpu.sh mla       # triton_mla: config sweep, then the 720-shape grid
 #   bash bench/device_gpu.sh profile   # step_profile (fused vs fused-GEMM step) and drafter_profile (block propose)
-#   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts and a dev-split corpus, batch 1 and 8
+#   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts (k = 15: 16-token verify rows), without
+#                                      # and with a dev-split corpus, batch 1 and 8
+#   bash bench/device_gpu.sh host      # host time per step and the PDL levels, in turn (random weights)
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -15,13 +18,17 @@ for part in "$@"; do
   case "$part" in
     tests)
       timeout 300 python -m pytest tests/test_cuda_graphs.py tests/test_target_kernels.py tests/test_triton_gqa.py \
-        tests/test_block_propose.py -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset or gpu" \
+        tests/test_block_propose.py tests/test_pdl.py -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset or gpu or ptx" \
         -p no:cacheprovider -rs -o addopts= 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
       timeout 200 python -m pytest tests/test_triton_mla.py -m gpu -p no:cacheprovider -rs -x \
         2>&1 | tail -15 | tee "$OUT/gpu_tests_mla.txt" ;;
+    realtests)  # the real model on the GPU only (strict lossless in fp32, bf16 batch-invariant)
+      timeout 300 python -m pytest tests/test_cuda_graphs.py -k TestSmolLM2OnGPU -p no:cacheprovider -rs -o addopts= \
+        2>&1 | tail -8 | tee "$OUT/gpu_tests_real.txt" ;;
     specdec)
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix --invariant --skip-hf --out "$OUT/e2e_specdec" 2>&1 | tail -40 ;;
+        --batch-sizes 1,8,32 --drafters null,suffix ${INVARIANT:+--invariant} --skip-hf --out "$OUT/e2e_specdec" 2>&1 \
+        | tail -40 ;;
     hf)
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --hf-problems 100-107 \
         --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --hf-static --out "$OUT/e2e_hf" 2>&1 | tail -40 ;;
@@ -33,8 +40,11 @@ for part in "$@"; do
       timeout 240 python bench/drafter_profile.py --device cuda --out "$OUT/drafter" 2>&1 | tail -20 ;;
     tuned)
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8 --drafters null,suffix --k 16 --suffix-kwargs '{"match_len_factor": 16}' \
+        --batch-sizes 1,8 --drafters null,suffix,suffix+corpus --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
         --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_tuned" 2>&1 | tail -30 ;;
+    host)
+      timeout 120 python bench/host_profile.py --device cuda --pdl 2,1,0,2,1 --batch-sizes 1 --new-tokens 128 \
+        --out "$OUT/host" 2>&1 | grep "^|" ;;
     mla)
       timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \
         --budget-s "${MLA_GRID_S:-240}" --out "$OUT/mla" 2>&1 | tail -60 ;;

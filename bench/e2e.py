@@ -92,10 +92,15 @@ def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1
 
 
 def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engine_kw):
-    kwargs = {"max_draft_tokens": args.k, **json.loads(args.suffix_kwargs)} if drafter_name == "suffix" else {}
-    if drafter_name == "suffix" and args.suffix_corpus:  # e.g. responses to other prompts (a server's history)
+    kind, _, variant = drafter_name.partition("+")
+    kwargs = {"max_draft_tokens": args.k, **json.loads(args.suffix_kwargs)} if kind == "suffix" else {}
+    if variant == "corpus":  # e.g. responses to other prompts (a server's history)
+        if kind != "suffix" or not args.suffix_corpus:
+            raise SystemExit(f"{drafter_name}: '+corpus' needs the suffix drafter and --suffix-corpus FILE")
         kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
-    engine = SpecEngine(target, make_drafter(drafter_name, **kwargs), max_draft_tokens=args.k,
+    elif variant:
+        raise SystemExit(f"unknown drafter variant {drafter_name!r} (only suffix+corpus)")
+    engine = SpecEngine(target, make_drafter(kind, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # Untimed: every graph bucket these prompts can need, then the first batch in full (compiles kernels).
@@ -147,11 +152,12 @@ def main() -> None:
     ap.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", default="1",
                     help="comma-separated batch sizes, e.g. 1,8,32")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
-    ap.add_argument("--drafters", default="null,suffix")
+    ap.add_argument("--drafters", default="null,suffix",
+                    help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, dspark")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,
-                    help="a bench/replay_study.py --save file whose responses preload the suffix drafter")
+                    help="a bench/replay_study.py --save file whose responses preload the 'suffix+corpus' drafter")
     ap.add_argument("--invariant", action="store_true",
                     help="also run each drafter with batch_invariant=True (GPU bf16 losslessness study)")
     ap.add_argument("--no-graphs", action="store_true", help="cuda_graphs=False")

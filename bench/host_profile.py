@@ -83,6 +83,14 @@ def launch_pieces(engine, device: str, reps: int) -> dict:
     out["h2d_meta_us"] = piece_us(lambda: g.meta_dev.copy_(g.meta_host, non_blocking=True), device, reps)
     # replays back to back queue up on the device; time few so the queue never fills
     out["replay_call_us"] = piece_us(g.graph.replay, device, min(reps, 20))
+    idle = []
+    for _ in range(20):  # one replay on an idle device, as an engine step launches it after its sync
+        sync(device)
+        t0 = time.perf_counter()
+        g.graph.replay()
+        idle.append(time.perf_counter() - t0)
+    sync(device)
+    out["replay_call_idle_us"] = 1e6 * sorted(idle)[len(idle) // 2]
     out["argmax_tolist_us"] = piece_us(lambda: g.outputs[1].tolist(), device, reps)
     return out
 
