@@ -332,6 +332,28 @@ def test_fixed_offset_splits_make_a_row_independent_of_its_step(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [9, 16])
+def test_decode_and_verify_rows_agree_bit_for_bit(dtype, q_len):
+    """SmolLM2's heads (9 x 64, 3 KV heads), one KV split: the query at position p gives the same bits in
+    a decode step as inside a verify step of 9 or 16 tokens (27 or 48 rows: the same key tiles and MMA
+    shapes as decode), so a bf16 drafter's greedy output can equal the null drafter's."""
+    step = make_step([], [(q_len, 200)], h=9, hkv=3, d=64, tpb=16, dtype=dtype, seed=7)
+    kc, vc = _cache_after_writes(step)
+    table, backend = step["generation"][0][2], TritonGQABackend()
+
+    def run(n, kv_len, q):
+        meta = torch.tensor(backend.pack_meta([n], [kv_len], [table], 16, 3 + 16), dtype=torch.int32, device=DEVICE)
+        plan = backend.graph_plan(meta, q.shape[0], n, 256, 16)  # as the step's bucket: max_q_len = n
+        assert backend._num_splits(plan, 3) == 1
+        return backend.run(plan, q, kc, vc, 64 ** -0.5, 64)
+
+    verify = run(q_len, 200, step["q"])
+    for j in range(q_len):
+        assert torch.equal(run(1, 200 - q_len + 1 + j, step["q"][j:j + 1])[0], verify[j]), j
+
+
+@needs_kernels
 @pytest.mark.parametrize(("d", "dv"), [(80, 80), (128, 128), (256, 256), (32, 16)])  # 8: the CPU engine test
 def test_head_dims(d, dv):
     """Head dims padded to a power of two >= 16 inside the kernel; V may be narrower than K."""
@@ -400,13 +422,14 @@ def test_plan_packs_the_step_into_one_int32_tensor():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the kernels were built for the interpreter")
-@pytest.mark.parametrize(("dtype", "d", "group", "q_len", "splits"), [
-    ("bf16", 64, 3, 1, 1),  # SmolLM2 decode
-    ("bf16", 64, 3, 9, 4),  # SmolLM2 verify, split KV
-    ("bf16", 128, 8, 16, 2),  # 128 rows in one block
-    ("fp32", 64, 3, 9, 1),  # lossless tests
+@pytest.mark.parametrize(("dtype", "d", "group", "q_len", "splits", "pdl"), [
+    ("bf16", 64, 3, 1, 1, True),  # SmolLM2 decode
+    ("bf16", 64, 3, 9, 4, True),  # SmolLM2 verify, split KV
+    ("bf16", 64, 3, 16, 2, False),  # SmolLM2 verify of 15 draft tokens: two 32-row blocks
+    ("bf16", 128, 8, 16, 2, False),  # 128 rows in one block
+    ("fp32", 64, 3, 9, 1, False),  # lossless tests
 ])
-def test_kernel_compiles_for_sm90(dtype, d, group, q_len, splits):
+def test_kernel_compiles_for_sm90(dtype, d, group, q_len, splits, pdl):
     """Lower the real kernel to an sm_90 cubin with ptxas (no GPU needed): catches errors the interpreter cannot."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
@@ -414,7 +437,7 @@ def test_kernel_compiles_for_sm90(dtype, d, group, q_len, splits):
     kernel = triton_gqa._gqa_attn_kernel
     block_m, block_n = triton_gqa._tile_sizes(dtype == "fp32", d, q_len * group)
     const = dict(GROUP=group, HEAD_DIM=d, V_DIM=d, PAGE=16, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
-                 BLOCK_D=d, BLOCK_DV=d, PRECISION="ieee" if dtype == "fp32" else "tf32",
+                 BLOCK_D=d, BLOCK_DV=d, PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=pdl,
                  stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)  # unit strides are specialised at launch
     pointers = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_PART="fp32", LSE_PART="fp32", META="i32")
     sig = {n: "constexpr" if n in const else "*" + pointers[n] if n in pointers else
@@ -423,7 +446,8 @@ def test_kernel_compiles_for_sm90(dtype, d, group, q_len, splits):
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     try:
         compiled = compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=8 if block_m * d >= 128 * 128 else 4, num_stages=2))
+                           options=dict(num_warps=8 if block_m * d >= 128 * 128 else 4, num_stages=2,
+                                        launch_pdl=pdl))
     except RuntimeError as err:
         if "ptxas" in str(err) and "not found" in str(err):
             pytest.skip(f"no ptxas to build a cubin: {err}")

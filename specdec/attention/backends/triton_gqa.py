@@ -466,18 +466,21 @@ def _tile_sizes(fp32: bool, block_d: int, rows: int) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)``: query rows per program and keys per tile.
 
     16-bit: up to 128 rows, so one program holds every row of a verify group
-    (q_len x group) and reads each K/V tile once; 128-key tiles for heads of
-    <= 64 dims and <= 32 rows (decode and verify), 64 otherwise. fp32 (IEEE dots on FMA units,
-    used for lossless tests) keeps 16-row blocks: larger ones spill registers.
-    Sizes checked with ptxas for sm_90 (no spills).
+    (q_len x group) and reads each K/V tile once. Heads of <= 64 dims with <= 64
+    rows (decode and verify) take 128-key tiles (``bench/gqa_sweep.py``: 6.0 -> 4.5 µs)
+    in blocks of at most 32 rows: every such step then runs the same tiles and MMA
+    shapes, so a query row's sums run in the same order in a decode step and in a
+    verify step of up to 64 rows (bf16 greedy output of a drafter equal to the null
+    drafter's, as far as the KV split allows). Other 16-bit shapes: 64-key tiles. fp32
+    (IEEE dots on FMA units, used for lossless tests) keeps 16-row blocks: larger ones
+    spill registers. Sizes checked with ptxas for sm_90 (no spills).
     """
     if fp32:
         return 16, (64 if block_d <= 128 else 16)
+    if block_d <= 64 and rows <= 64:
+        return min(32, _pow2(rows)), 128
     cap, block_n = (128, 64) if block_d <= 128 else (64, 32)
-    block_m = min(cap, _pow2(rows))
-    if block_d <= 64 and block_m <= 32:
-        block_n = 128  # decode/verify of small heads: fewer, longer key tiles (bench/gqa_sweep.py: 6.0 -> 4.5 µs)
-    return block_m, block_n
+    return min(cap, _pow2(rows)), block_n
 
 
 def _pow2(n: int) -> int:
