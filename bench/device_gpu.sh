@@ -4,11 +4,12 @@
 #   bash bench/device_gpu.sh realtests # only the real-model GPU tests
 #   bash bench/device_gpu.sh specdec   # specdec null/suffix at batch 1, 8, 32 (INVARIANT=1: + batch-invariant runs)
 #   bash bench/device_gpu.sh hf        # HF generate baselines (batch 1 on 100-107: HF is slow there)
+#   bash bench/device_gpu.sh hfstatic  # HF generate with a static cache (batch 1, 100-103)
 #   bash bench/device_gpu.sh block     # the block drafters at batch 8 and 32
 #   bash bench/device_gpu.sh mla       # triton_mla: config sweep, then the 720-shape grid
 #   bash bench/device_gpu.sh profile   # step_profile (fused vs fused-GEMM step) and drafter_profile (block propose)
 #   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts (k = 15: 16-token verify rows), without
-#                                      # and with a dev-split corpus, batch 1 and 8
+#                                      # and with a dev-split corpus, batch 1 and 8, REPEAT (3) rounds
 #   bash bench/device_gpu.sh host      # host time per step and the PDL levels, in turn (random weights)
 set -uo pipefail
 . /tmp/stage/env.sh
@@ -29,9 +30,12 @@ for part in "$@"; do
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix ${INVARIANT:+--invariant} --skip-hf --out "$OUT/e2e_specdec" 2>&1 \
         | tail -40 ;;
-    hf)
-      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --hf-problems 100-107 \
-        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --hf-static --out "$OUT/e2e_hf" 2>&1 | tail -40 ;;
+    hf)  # 2026-12-03: with --hf-static in the same run this passed 330 s and printed nothing
+      timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --hf-problems 100-107 \
+        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null --out "$OUT/e2e_hf" 2>&1 | tail -40 ;;
+    hfstatic)  # HF with a static (compiled) cache, batch 1 on four prompts, beside HF greedy and specdec null
+      timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-103 --max-new-tokens 256 \
+        --batch-sizes 1 --drafters null --hf-static --out "$OUT/e2e_hfstatic" 2>&1 | tail -20 ;;
     block)
       timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 8,32 --drafters null,dflash,dspark --skip-hf --out "$OUT/e2e_block" 2>&1 | tail -30 ;;
@@ -39,12 +43,14 @@ for part in "$@"; do
       timeout 150 python bench/step_profile.py --device cuda --out "$OUT/prof" 2>&1 | grep "^|" | head -9
       timeout 240 python bench/drafter_profile.py --device cuda --out "$OUT/drafter" 2>&1 | tail -20 ;;
     tuned)
-      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8 --drafters null,suffix,suffix+corpus --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
+      timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8 --repeat "${REPEAT:-3}" --drafters null,suffix,suffix+corpus --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
         --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_tuned" 2>&1 | tail -30 ;;
     host)
       timeout 120 python bench/host_profile.py --device cuda --pdl 2,1,0,2,1 --batch-sizes 1 --new-tokens 128 \
-        --out "$OUT/host" 2>&1 | grep "^|" ;;
+        --out "$OUT/host" 2>&1 | grep "^|" | head -8
+      timeout 120 python bench/host_profile.py --device cuda --batch-sizes 1,32 --cprofile --out "$OUT/host_cprofile" \
+        2>&1 | grep "^|" | head -4 ;;
     mla)
       timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \
         --budget-s "${MLA_GRID_S:-240}" --out "$OUT/mla" 2>&1 | tail -60 ;;

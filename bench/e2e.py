@@ -132,6 +132,27 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "mean_context": sum(len(o.prompt_token_ids) + len(o.token_ids) / 2 for o in outs) / len(outs)}
 
 
+def _tps(r: dict) -> float:
+    return r["tokens"] / r["time_s"]
+
+
+def _null_of(label: str) -> str:
+    return "specdec-null-invariant" if label.endswith("-invariant") else "specdec-null"
+
+
+def median_run(runs: list[dict], nulls: list[dict] | None) -> dict:
+    """The run of median tokens/s, with every round's tokens/s and (given the null drafter's runs
+    of the same rounds) the median of the per-round ratios to it."""
+    order = sorted(range(len(runs)), key=lambda i: _tps(runs[i]))
+    out = dict(runs[order[(len(runs) - 1) // 2]])
+    out["tokens_per_s_rounds"] = [_tps(r) for r in runs]
+    if nulls is not None and len(nulls) == len(runs):
+        ratios = sorted(_tps(r) / _tps(n) for r, n in zip(runs, nulls))
+        out["vs_null_rounds"] = ratios
+        out["vs_null_median"] = ratios[(len(ratios) - 1) // 2]
+    return out
+
+
 def step_floor_us(target, batch: int, mean_context: float) -> float:
     """Bytes one target step must read (weights once, each request's KV) over 4.8 TB/s, in µs."""
     weights = sum(t.numel() * t.element_size() for L in target.layers
@@ -160,6 +181,9 @@ def main() -> None:
                     help="a bench/replay_study.py --save file whose responses preload the 'suffix+corpus' drafter")
     ap.add_argument("--invariant", action="store_true",
                     help="also run each drafter with batch_invariant=True (GPU bf16 losslessness study)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every specdec system this many times, round-robin; report the median run and the "
+                         "median of the per-round ratios to specdec-null (host noise on shared machines)")
     ap.add_argument("--no-graphs", action="store_true", help="cuda_graphs=False")
     ap.add_argument("--no-precapture", action="store_true",
                     help="capture graph buckets on demand (inside timed steps) instead of before the run")
@@ -206,20 +230,28 @@ def main() -> None:
                     print(f"hf-static b{b} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         del model
     engine_kw = {"cuda_graphs": False} if args.no_graphs else {}
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     for b in batch_sizes:
-        for name in args.drafters.split(","):
-            print(f"specdec-{name} b{b} ...", file=sys.stderr, flush=True)
-            results[b][f"specdec-{name}"] = run_specdec(target, name, prompt_ids, args, b, **engine_kw)
-            if args.invariant:
-                print(f"specdec-{name}-invariant b{b} ...", file=sys.stderr, flush=True)
-                results[b][f"specdec-{name}-invariant"] = run_specdec(target, name, prompt_ids, args, b,
-                                                                      batch_invariant=True)
+        rounds: dict[str, list[dict]] = {}
+        for rnd in range(args.repeat):  # round-robin: every system sees the same drift of the machine
+            for name in args.drafters.split(","):
+                systems = [(f"specdec-{name}", engine_kw)]
+                if args.invariant:
+                    systems.append((f"specdec-{name}-invariant", {"batch_invariant": True}))
+                for label, kw in systems:
+                    print(f"{label} b{b} (round {rnd + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
+                    rounds.setdefault(label, []).append(run_specdec(target, name, prompt_ids, args, b, **kw))
+        for label, runs in rounds.items():
+            results[b][label] = median_run(runs, rounds.get(_null_of(label)))
     machine = (f"{platform.machine()}, {torch.get_num_threads()} threads" if args.device == "cpu"
                else torch.cuda.get_device_name())
     head = (f"`python bench/e2e.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, {machine}, "
             f"torch {torch.__version__}, SmolLM2-135M {args.dtype}, HumanEval {args.problems}"
             f"{f' (HF at batch 1: {args.hf_problems})' if args.hf_problems else ''}, "
-            f"{args.max_new_tokens} new tokens, greedy")
+            f"{args.max_new_tokens} new tokens, greedy"
+            + (f"; specdec systems run {args.repeat} times round-robin: tokens/s is the median run (range), "
+               "vs specdec-null the median of the per-round ratios (range)" if args.repeat > 1 else ""))
     text = [head, ""]
     for b in batch_sizes:
         res = results[b]
@@ -235,6 +267,14 @@ def main() -> None:
             tps = r["tokens"] / r["time_s"]
             ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
             vs_null = f"{tps / (null['tokens'] / null['time_s']):.2f}x" if null and name.startswith("specdec") else "-"
+            if len(r.get("tokens_per_s_rounds", ())) > 1:  # median of rounds, then the range
+                rounds = r["tokens_per_s_rounds"]
+                tps_text = f"{tps:.1f} ({min(rounds):.0f}–{max(rounds):.0f})"
+                if "vs_null_median" in r:
+                    vs = r["vs_null_rounds"]
+                    vs_null = f"{r['vs_null_median']:.2f}x ({vs[0]:.2f}–{vs[-1]:.2f})"
+            else:
+                tps_text = f"{tps:.1f}"
             mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
             if "per_step_ms" in r:
                 p = r["per_step_ms"]
@@ -247,7 +287,7 @@ def main() -> None:
             ref = null_inv if name.endswith("-invariant") else null
             same = (f"{sum(a == c for a, c in zip(r['outputs'], ref['outputs']))}/{len(ref['outputs'])}"
                     if ref and name.startswith("specdec") else "-")
-            text.append(f"| {name} | {tps:.1f} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
+            text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
         text.append("")
     table = "\n".join(text) + "\n"
     print(table)

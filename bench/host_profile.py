@@ -9,11 +9,12 @@ the same run:
 
 - the engine's per-step timers (schedule+prepare+verify+postprocess as ``host``,
   the runner's ``launch`` and ``wait``) and the wall time per step; ``graph_launch``:
-  the runner's fill + replay call of graph steps alone (``launch`` also counts the eager
-  prompt step);
+  the runner's fill + replay call of graph steps alone; ``eager_launch_ms``: the launch of
+  an eager (prompt) step, which ``launch`` also counts;
 - the CPU time of the pieces of a graph launch, each timed alone over many calls
   with the device idle: input fill (NumPy), the two H2D copies, ``graph.replay()``;
-- with ``--cprofile``, cProfile's top functions by own time over the generation;
+- with ``--cprofile``, cProfile's top functions by own time over the generation, and
+  over its eager (prompt) steps alone;
 - with ``--pdl 2,0,1,2``, each programmatic-dependent-launch level in turn.
 
 Writes ``host_profile.md`` and ``.json`` under ``--out``.
@@ -63,6 +64,21 @@ def time_calls(obj, name: str) -> list[float]:
 
     setattr(obj, name, timed)
     return times
+
+
+def profile_calls(obj, name: str) -> cProfile.Profile:
+    """cProfile only inside calls of ``obj.name`` from now on (e.g. the runner's eager steps)."""
+    fn, prof = getattr(obj, name), cProfile.Profile()
+
+    def profiled(*a, **kw):
+        prof.enable()
+        try:
+            return fn(*a, **kw)
+        finally:
+            prof.disable()
+
+    setattr(obj, name, profiled)
+    return prof
 
 
 def launch_pieces(engine, device: str, reps: int) -> dict:
@@ -127,21 +143,30 @@ def main() -> None:
         for k in ("launch_s", "wait_s"):
             engine.runner.stats[k] = 0.0
         replay_s = time_calls(engine.runner, "_replay")
+        eager_s = time_calls(engine.runner, "_eager")
         sync(args.device)
         t0 = time.perf_counter()
         engine.generate(ids, params)
         sync(args.device)
         wall = time.perf_counter() - t0
-        del engine.runner._replay  # the class's method again
+        del engine.runner._replay, engine.runner._eager  # the class's methods again
         t, s = engine.timings, engine.runner.stats
         steps = max(1, t["steps"])
         row = {"pdl": level, "batch": b, "steps": steps, "wall_us_per_step": 1e6 * wall / steps,
                "launch_us": 1e6 * s["launch_s"] / steps, "wait_us": 1e6 * s["wait_s"] / steps,
                "host_us": 1e6 * t["host_s"] / steps, "verify_us": 1e6 * t["verify_s"] / steps,
                "draft_us": 1e6 * t["draft_s"] / steps,
-               "graph_launch_us": 1e6 * sum(replay_s) / max(1, len(replay_s))}
+               "graph_launch_us": 1e6 * sum(replay_s) / max(1, len(replay_s)),
+               "eager_steps": len(eager_s), "eager_launch_ms": 1e3 * sum(eager_s) / max(1, len(eager_s))}
         row.update(launch_pieces(engine, args.device, 200))
         if args.cprofile:
+            eager_prof = profile_calls(engine.runner, "_eager")
+            engine.generate(ids, params)
+            sync(args.device)
+            del engine.runner._eager
+            buf = io.StringIO()
+            pstats.Stats(eager_prof, stream=buf).sort_stats("tottime").print_stats(25)
+            profiles[f"eager (prompt) steps only, pdl {level}, batch {b}"] = buf.getvalue()
             prof = cProfile.Profile()
             prof.enable()
             engine.generate(ids, params)

@@ -71,6 +71,8 @@ class SpecEngine:
         self.draft_kv = self._draft_kv(draft_specs)
         self.drafter.bind(target, self.draft_kv)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs)
+        # most draft tokens a request verifies per step; 0: the drafter never drafts (no slots reserved)
+        self._max_draft = 0 if isinstance(self.drafter, NullDrafter) else cfg.max_draft_tokens
         self._check_forced_backend()
         self.runner = self._model_runner()
         self._seqs: dict[str, Sequence] = {}
@@ -143,7 +145,7 @@ class SpecEngine:
         Raises:
             ConfigError: ``max_kv_len`` is not a positive integer.
         """
-        decode_only = isinstance(self.drafter, NullDrafter) or self.config.max_draft_tokens == 0
+        decode_only = self._max_draft == 0
         bar = None
         if progress and self.runner.graphs_enabled:
             from tqdm.auto import tqdm
@@ -277,8 +279,10 @@ class SpecEngine:
 
     # -- step parts ------------------------------------------------------------
     def _draft_budget(self, seq: Sequence) -> int:
+        if not self._max_draft:
+            return 0
         left = min(seq.params.max_new_tokens - seq.num_output, self.target.max_context - len(seq.tokens))
-        return max(0, min(self.config.max_draft_tokens, left - 1))
+        return max(0, min(self._max_draft, left - 1))
 
     def _propose(self, batch: ScheduledBatch) -> list[Draft]:
         t0 = time.perf_counter()
@@ -289,8 +293,9 @@ class SpecEngine:
             for (s, b), d in zip(asking, proposed):
                 drafts[s.req_id] = d if len(d) <= b else Draft(d.token_ids[:b], None, None if d.probs is None else d.probs[:b])
         out = [drafts.get(s.req_id, Draft()) for s in batch.generation]
-        for s, d in zip(batch.generation, out):  # give back reserved slots the drafts did not use
-            self.manager.truncate(s.req_id, s.num_cached + 1 + len(d))
+        for s, d, b in zip(batch.generation, out, batch.budgets):  # give back reserved slots the drafts did not use
+            if len(d) < b:
+                self.manager.truncate(s.req_id, s.num_cached + 1 + len(d))
         self.timings["draft_s"] += time.perf_counter() - t0
         return out
 
