@@ -11,6 +11,7 @@
 #   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts (k = 15: 16-token verify rows), without
 #                                      # and with a dev-split corpus, batch 1 and 8, REPEAT (3) rounds
 #   bash bench/device_gpu.sh host      # host time per step and the PDL levels, in turn (random weights)
+#   bash bench/device_gpu.sh overlap   # overlapped decode steps against plain ones (host profile, then end to end)
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,7 +20,7 @@ for part in "$@"; do
   case "$part" in
     tests)
       timeout 300 python -m pytest tests/test_cuda_graphs.py tests/test_target_kernels.py tests/test_triton_gqa.py \
-        tests/test_block_propose.py tests/test_pdl.py -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset or gpu or ptx" \
+        tests/test_block_propose.py tests/test_pdl.py tests/test_overlap.py -k "TestOnGPU or TestSmolLM2OnGPU or kernels or graph_plan or fixed_offset or gpu or ptx" \
         -p no:cacheprovider -rs -o addopts= 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
       timeout 200 python -m pytest tests/test_triton_mla.py -m gpu -p no:cacheprovider -rs -x \
         2>&1 | tail -15 | tee "$OUT/gpu_tests_mla.txt" ;;
@@ -46,6 +47,11 @@ for part in "$@"; do
       timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8 --repeat "${REPEAT:-3}" --drafters null,suffix,suffix+corpus --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
         --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_tuned" 2>&1 | tail -30 ;;
+    overlap)  # overlapped decode steps (EngineConfig.overlap_steps) beside plain ones: random weights, then the real model
+      timeout 150 python bench/host_profile.py --device cuda --overlap 0,1,0,1 --batch-sizes 1,32 --new-tokens 128 \
+        --out "$OUT/host_overlap" 2>&1 | grep "^|" | head -10
+      timeout 400 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --repeat 2 --drafters null,null+overlap --skip-hf --out "$OUT/e2e_overlap" 2>&1 | tail -20 ;;
     host)
       timeout 120 python bench/host_profile.py --device cuda --pdl 2,1,0,2,1 --batch-sizes 1 --new-tokens 128 \
         --out "$OUT/host" 2>&1 | grep "^|" | head -8

@@ -98,8 +98,12 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         if kind != "suffix" or not args.suffix_corpus:
             raise SystemExit(f"{drafter_name}: '+corpus' needs the suffix drafter and --suffix-corpus FILE")
         kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
+    elif variant == "overlap":  # the next decode step launched before this one's tokens reach the host
+        if kind != "null":
+            raise SystemExit(f"{drafter_name}: '+overlap' applies to the null drafter only")
+        engine_kw = {**engine_kw, "overlap_steps": True}
     elif variant:
-        raise SystemExit(f"unknown drafter variant {drafter_name!r} (only suffix+corpus)")
+        raise SystemExit(f"unknown drafter variant {drafter_name!r} (suffix+corpus, null+overlap)")
     engine = SpecEngine(target, make_drafter(kind, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -174,7 +178,8 @@ def main() -> None:
                     help="comma-separated batch sizes, e.g. 1,8,32")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
     ap.add_argument("--drafters", default="null,suffix",
-                    help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, dspark")
+                    help="comma-separated: null, null+overlap (overlap_steps=True), suffix, suffix+corpus (preloaded "
+                         "with --suffix-corpus), dflash, dspark")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,

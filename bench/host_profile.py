@@ -15,7 +15,8 @@ the same run:
   with the device idle: input fill (NumPy), the two H2D copies, ``graph.replay()``;
 - with ``--cprofile``, cProfile's top functions by own time over the generation, and
   over its eager (prompt) steps alone;
-- with ``--pdl 2,0,1,2``, each programmatic-dependent-launch level in turn.
+- with ``--pdl 2,0,1,2``, each programmatic-dependent-launch level in turn;
+- with ``--overlap 0,1``, plain and overlapped decode steps (``EngineConfig.overlap_steps``).
 
 Writes ``host_profile.md`` and ``.json`` under ``--out``.
 """
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--pdl", default=None,
                     help="comma-separated PDL levels to run in turn (e.g. 2,0,1,2: repeats show host noise); "
                          "default: the device's level only")
+    ap.add_argument("--overlap", default="0", help="comma-separated overlap_steps settings to run (e.g. 0,1)")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile each generation (top 25 functions)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 16 tokens (a smoke run)")
     ap.add_argument("--out", default="out/host_profile")
@@ -130,10 +132,11 @@ def main() -> None:
     rows, profiles = [], {}
     levels = [int(x) for x in args.pdl.split(",")] if args.pdl else [target.pdl]
     attention = get_backend("triton_gqa")
-    runs = [(level, int(b)) for level in levels for b in args.batch_sizes.split(",")]
-    for level, b in runs:
+    runs = [(level, int(ov), int(b)) for level in levels for ov in args.overlap.split(",")
+            for b in args.batch_sizes.split(",")]
+    for level, overlap, b in runs:
         target.pdl, attention.pdl = level, level > 0
-        engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b))
+        engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=bool(overlap)))
         engine.capture_graphs(max_kv_len=64 + new_tokens + 8, progress=False)
         ids = prompts(b, 48, target.config.vocab_size)
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -152,7 +155,7 @@ def main() -> None:
         del engine.runner._replay, engine.runner._eager  # the class's methods again
         t, s = engine.timings, engine.runner.stats
         steps = max(1, t["steps"])
-        row = {"pdl": level, "batch": b, "steps": steps, "wall_us_per_step": 1e6 * wall / steps,
+        row = {"pdl": level, "overlap": overlap, "batch": b, "steps": steps, "wall_us_per_step": 1e6 * wall / steps,
                "launch_us": 1e6 * s["launch_s"] / steps, "wait_us": 1e6 * s["wait_s"] / steps,
                "host_us": 1e6 * t["host_s"] / steps, "verify_us": 1e6 * t["verify_s"] / steps,
                "draft_us": 1e6 * t["draft_s"] / steps,

@@ -74,6 +74,12 @@ class EngineConfig:
         batch_invariant: run every generation step in one graph bucket, with the KV split
             at fixed key offsets, so a token's logits do not depend on the draft length or
             on the batch (bf16 outputs then equal the null drafter's; costs padding).
+        overlap_steps: with a drafter that never drafts (the null drafter), launch the next
+            decode step before the current one's tokens reach the host: its input tokens are
+            copied on the device, so the host's work between steps overlaps the GPU. Outputs
+            are unchanged (a request that ends at a step drops the next step's token); a request
+            added meanwhile is admitted one step later. Off by default until measured on the
+            GPU; on the CPU it runs the same logic without overlapping anything.
     """
 
     max_draft_tokens: int = 8
@@ -88,6 +94,7 @@ class EngineConfig:
     kv_scale: float = 1.0
     cuda_graphs: bool = True
     batch_invariant: bool = False
+    overlap_steps: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
@@ -106,7 +113,7 @@ class EngineConfig:
         if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
             raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
                               f"must be 1.0, got {self.kv_scale!r}")
-        for name in ("cuda_graphs", "batch_invariant"):
+        for name in ("cuda_graphs", "batch_invariant", "overlap_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_invariant and not self.cuda_graphs:

@@ -16,7 +16,8 @@ import torch
 from specdec.attention.selector import get_backend
 from specdec.config import EngineConfig, SamplingParams
 from specdec.drafters.base import Draft, Drafter, NullDrafter, check_hooks
-from specdec.errors import ConfigError, InvalidRequestError, PromptTooLongError, VocabMismatchError
+from specdec.errors import (ConfigError, InvalidRequestError, PoolExhaustedError, PromptTooLongError,
+                            VocabMismatchError)
 from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget
 from specdec.kvcache.draft_kv import DraftKV
 from specdec.graphs import GraphPolicy
@@ -75,10 +76,20 @@ class SpecEngine:
         self._max_draft = 0 if isinstance(self.drafter, NullDrafter) else cfg.max_draft_tokens
         self._check_forced_backend()
         self.runner = self._model_runner()
+        if cfg.overlap_steps and self._max_draft:
+            raise ConfigError("overlap_steps=True needs a drafter that never drafts (the null drafter or "
+                              f"max_draft_tokens=0); got {type(self.drafter).__name__} with "
+                              f"max_draft_tokens={cfg.max_draft_tokens}")
+        self._overlap = bool(cfg.overlap_steps) and not self._max_draft
+        self.runner.copy_argmax_out = self._overlap
+        # a decode step launched ahead (its tokens still on the device) and the tokens it reserved per request
+        self._inflight: tuple[ScheduledBatch, StepResult] | None = None
+        self._ahead: dict[str, int] = {}
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._last_backends: dict[str, str] = {}
-        self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
+        self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
+                        "overlapped_steps": 0}
 
     def _model_runner(self) -> ModelRunner:
         cfg = self.config
@@ -226,14 +237,29 @@ class SpecEngine:
         return out
 
     def step(self) -> list[StepOutput]:
-        """Run one engine step and return each scheduled request's new tokens."""
-        batch = self.scheduler.schedule(self._draft_budget)
-        if not batch:
-            return self._unschedulable()
-        drafts = self._propose(batch)
-        result = self._run(self._prepare(batch, drafts))
+        """Run one engine step and return each scheduled request's new tokens.
+
+        With ``overlap_steps``, the step may finish a decode step launched by the previous call
+        and launch the next one before waiting (see :meth:`_launch_ahead`)."""
+        if self._inflight is not None:
+            batch, result = self._inflight
+            self._inflight, self._ahead = None, {}
+            batch, result = self._running_part(batch, result)
+            drafts = [Draft()] * len(batch.generation)
+        else:
+            batch = self.scheduler.schedule(self._draft_budget)
+            if not batch:
+                return self._unschedulable()
+            drafts = self._propose(batch)
+            result = self._launch(self._prepare(batch, drafts))
+        if self._overlap and batch:
+            self._inflight = self._launch_ahead(batch, result)
+        self._finish_launched(result)
         emitted = self._verify(batch, drafts, result)
-        return self._postprocess(batch, drafts, emitted, result.hidden)
+        outs = self._postprocess(batch, drafts, emitted, result.hidden)
+        if self._inflight is not None and not any(s.status is Status.RUNNING for s in self._inflight[0].generation):
+            self._drain()  # every request of the step ahead ended here: nothing will read it
+        return outs
 
     def generate(self, prompts: str | Iterable[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -317,21 +343,84 @@ class SpecEngine:
         self.timings["host_s"] += time.perf_counter() - t0
         return StepInput(ids, positions, slots, ctx, gen, rows, greedy)
 
-    def _run(self, step: StepInput) -> StepResult:
-        """One target forward (graph replay or eager), timed up to the argmax reaching the host.
+    def _launch(self, step: StepInput, ids_from: torch.Tensor | None = None) -> StepResult:
+        """Queue one target forward (graph replay or eager); its time counts as forward time."""
+        t0 = time.perf_counter()
+        result = self.runner.launch(step, ids_from)
+        self.timings["forward_s"] += time.perf_counter() - t0
+        return result
+
+    def _finish_launched(self, result: StepResult) -> None:
+        """Wait for a launched forward's argmax (the step's one synchronisation), timed as forward.
 
         While the device computes, the drafter does its host work that does not need this
         step's result (``Drafter.overlap``); that time counts as drafter time."""
-        t0 = time.perf_counter()
-        result = self.runner.launch(step)
         t1 = time.perf_counter()
         self.drafter.overlap()
         t2 = time.perf_counter()
         self.runner.finish(result)
         self._last_backends = result.backends
-        self.timings["forward_s"] += (t1 - t0) + (time.perf_counter() - t2)
+        self.timings["forward_s"] += time.perf_counter() - t2
         self.timings["draft_s"] += t2 - t1
-        return result
+
+    # -- overlapped decode steps ------------------------------------------------
+    def _launch_ahead(self, batch: ScheduledBatch, result: StepResult) -> tuple[ScheduledBatch, StepResult] | None:
+        """Launch the decode step after ``batch`` before ``batch``'s tokens reach the host.
+
+        Only when nothing but this step's tokens could change the next step: a greedy,
+        generation-only batch of every running request, none waiting to be admitted, and none
+        that ends at this step by its length limits (an end of sequence or a stop string is seen only
+        afterwards: the next step's token for that request is then dropped). Each request
+        takes one more cache slot; its input token is this step's argmax, copied on the device.
+        Returns the launched step, or ``None`` when it does not apply.
+        """
+        seqs = batch.generation
+        if (batch.context or not seqs or self.scheduler.waiting or batch.preempted
+                or len(seqs) != len(self.scheduler.running)  # a request left out now would wait while steps chain
+                or not isinstance(result.argmax, torch.Tensor) or len(result.argmax) != len(seqs)):
+            return None
+        limit = self.target.max_context
+        for seq in seqs:
+            if (not seq.params.greedy or seq.num_output + 1 >= seq.params.max_new_tokens
+                    or len(seq.tokens) + 2 > limit):
+                return None
+        taken = []
+        try:
+            for seq in seqs:
+                self.manager.append(seq.req_id, 1)
+                taken.append(seq)
+        except PoolExhaustedError:
+            for seq in taken:
+                self.manager.truncate(seq.req_id, self.manager.length(seq.req_id) - 1)
+            return None
+        t0 = time.perf_counter()
+        positions = [seq.num_cached + 1 for seq in seqs]  # this step fed position num_cached
+        slots = [self.manager.slots(seq.req_id, p, p + 1)[0] for seq, p in zip(seqs, positions)]
+        gen = [(1, p + 1, tuple(self.manager.page_table(seq.req_id))) for seq, p in zip(seqs, positions)]
+        n = len(seqs)
+        step = StepInput([0] * n, positions, slots, [], gen, list(range(n)), True)
+        self.timings["host_s"] += time.perf_counter() - t0
+        ahead = self._launch(step, ids_from=result.argmax)
+        self._ahead = {seq.req_id: 1 for seq in seqs}
+        self.timings["overlapped_steps"] += 1
+        return ScheduledBatch(generation=list(seqs), budgets=[0] * n), ahead
+
+    def _running_part(self, batch: ScheduledBatch, result: StepResult) -> tuple[ScheduledBatch, StepResult]:
+        """A step launched ahead, without the requests that ended (finished or aborted) since:
+        their rows are dropped from its result once it is finished."""
+        keep = [i for i, s in enumerate(batch.generation) if s.status is Status.RUNNING]
+        if len(keep) == len(batch.generation):
+            return batch, result
+        self.runner.finish(result)
+        result.argmax = [result.argmax[i] for i in keep]
+        seqs = [batch.generation[i] for i in keep]
+        return ScheduledBatch(generation=seqs, budgets=[0] * len(seqs)), result
+
+    def _drain(self) -> None:
+        """Wait for and drop the step launched ahead (its requests all ended)."""
+        if self._inflight is not None:
+            self.runner.finish(self._inflight[1])
+            self._inflight, self._ahead = None, {}
 
     def _verify(self, batch: ScheduledBatch, drafts: list[Draft], result: StepResult) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -368,7 +457,8 @@ class SpecEngine:
             new = self._append(seq, toks)
             if seq.status is not Status.FINISHED:
                 seq.num_cached = len(seq.tokens) - 1
-                self.manager.truncate(seq.req_id, seq.num_cached)
+                # keep the slot a step launched ahead writes
+                self.manager.truncate(seq.req_id, seq.num_cached + self._ahead.get(seq.req_id, 0))
                 if hidden is not None:  # only accepted positions reach the drafter's context
                     spans.append((seq.req_id, old_cached, row, seq.num_cached - old_cached))
                 self.drafter.on_accepted(seq.req_id, new)

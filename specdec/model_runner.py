@@ -51,7 +51,8 @@ class StepResult:
     Attributes:
         logits: fp32 logits of ``StepInput.rows``. ``[num_rows, vocab_size]``
         argmax: their argmax when the step is greedy, else ``None``: a device tensor
-            after :meth:`ModelRunner.launch`, a host list after :meth:`ModelRunner.finish`.
+            after :meth:`ModelRunner.launch` (valid until the next launch), a host list
+            after :meth:`ModelRunner.finish`.
         hidden: the drafter's target layers, concatenated. ``[num_tokens, L * hidden_size]`` or ``None``
         backends: phase → attention backend that ran it.
         graph: whether a CUDA graph was replayed.
@@ -62,6 +63,7 @@ class StepResult:
     hidden: torch.Tensor | None
     backends: dict[str, str]
     graph: bool = False
+    pending: tuple | None = None  # (pinned host copy of argmax, CUDA event): what finish() waits for
 
 
 @dataclass(slots=True)
@@ -104,10 +106,18 @@ class ModelRunner:
         self.scratch_slot = scratch_slot
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool = None
+        # set by an engine that launches a step before finishing the one before it (overlap_steps):
+        # the argmax then leaves the device through pinned buffers used in turn, and finish() waits
+        # on an event for that step only
+        self.copy_argmax_out = False
+        self._argmax_host: list[torch.Tensor | None] = [None, None]
+        self._ring = 0
         # graph/eager step counts, why steps ran eagerly, captures, and which backend ran each phase
         # host time: queueing a step (inputs, launches) and waiting for its argmax
+        # chained_steps: steps whose input tokens came from the previous step's argmax on the device
         self.stats = {"graph_steps": 0, "eager_steps": 0, "graphs_captured": 0, "capture_s": 0.0,
-                      "eager_reasons": Counter(), "backends": Counter(), "launch_s": 0.0, "wait_s": 0.0}
+                      "eager_reasons": Counter(), "backends": Counter(), "launch_s": 0.0, "wait_s": 0.0,
+                      "chained_steps": 0}
         if policy is None:
             self._no_graph = "cuda_graphs disabled"
         elif target.device.type != "cuda":
@@ -132,17 +142,35 @@ class ModelRunner:
         return self.finish(self.launch(step))
 
     def finish(self, result: StepResult) -> StepResult:
-        """Wait for a launched step: its argmax reaches the host (the step's one synchronisation)."""
+        """Wait for a launched step: its argmax reaches the host (the step's one synchronisation).
+
+        On CUDA this waits for that step only, not for steps launched after it."""
         if isinstance(result.argmax, torch.Tensor):
             t0 = time.perf_counter()
-            result.argmax = result.argmax.tolist()
+            if result.pending is not None:
+                host, event = result.pending
+                event.synchronize()
+                result.argmax, result.pending = host.tolist(), None
+            else:
+                result.argmax = result.argmax.tolist()
             self.stats["wait_s"] += time.perf_counter() - t0
         return result
 
-    def launch(self, step: StepInput) -> StepResult:
+    def launch(self, step: StepInput, ids_from: torch.Tensor | None = None) -> StepResult:
         """Queue the target's forward over ``step`` on the device and return without waiting:
-        ``argmax`` is still a device tensor until :meth:`finish` (host work may run meanwhile)."""
+        ``argmax`` is still a device tensor until :meth:`finish` (host work may run meanwhile).
+
+        Args:
+            step: the step's inputs.
+            ids_from: the step's input tokens as a device tensor (e.g. the previous step's
+                ``argmax``, not yet on the host); ``step.input_ids`` is then ignored. The copy is
+                ordered after the step that wrote it, so the two steps may be in flight together.
+        """
         t0 = time.perf_counter()
+        if ids_from is not None:
+            if ids_from.shape[0] < len(step.input_ids):
+                raise ValueError(f"ids_from has {ids_from.shape[0]} tokens, the step {len(step.input_ids)}")
+            self.stats["chained_steps"] += 1
         why = self._no_graph or ("a context phase in the step" if step.context else "")
         key = None
         if not why:
@@ -154,14 +182,31 @@ class ModelRunner:
         if why:
             self.stats["eager_steps"] += 1
             self.stats["eager_reasons"][why] += 1
-            result = self._eager(step)
+            result = self._eager(step, ids_from)
         else:
             self.stats["graph_steps"] += 1
-            result = self._replay(key, backend, step)
+            result = self._replay(key, backend, step, ids_from)
         for phase, name in result.backends.items():
             self.stats["backends"][f"{phase}:{name}"] += 1
+        if self.copy_argmax_out and isinstance(result.argmax, torch.Tensor) and result.argmax.is_cuda:
+            self._copy_argmax_out(result)
         self.stats["launch_s"] += time.perf_counter() - t0
         return result
+
+    def _copy_argmax_out(self, result: StepResult) -> None:
+        """Queue the argmax's copy to pinned host memory and record an event after it, so that
+        :meth:`finish` waits for this step only (a graph's argmax buffer is overwritten by the
+        next replay of that graph, which may already be queued when this step is finished)."""
+        n = result.argmax.shape[0]
+        self._ring ^= 1
+        host = self._argmax_host[self._ring]
+        if host is None or host.shape[0] < n:
+            host = self._argmax_host[self._ring] = torch.empty(max(n, 64), dtype=torch.long).pin_memory()
+        host = host[:n]
+        host.copy_(result.argmax, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        result.pending = (host, event)
 
     def capture_buckets(self, decode_only: bool = False, max_kv_len: int | None = None, progress=None) -> int:
         """Capture every graph bucket now (not during the first steps that need them).
@@ -203,11 +248,14 @@ class ModelRunner:
         return backend, "" if getattr(backend, "capturable", False) else f"backend {backend.name} cannot be captured"
 
     # -- eager -----------------------------------------------------------------
-    def _eager(self, step: StepInput) -> StepResult:
+    def _eager(self, step: StepInput, ids_from: torch.Tensor | None = None) -> StepResult:
         dev = self.target.device
         slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
         attn = plan_step(step.context, step.generation, slot_mapping, self.shape_of, self.tpb, self.requested)
-        ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+        if ids_from is not None:
+            ids = ids_from[: len(step.input_ids)].to(device=dev, dtype=torch.long)
+        else:
+            ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         layer_ids = self.hidden_layer_ids
         with torch.inference_mode():
@@ -219,12 +267,12 @@ class ModelRunner:
         return StepResult(logits, argmax, aux, attn.backends)
 
     # -- graphs ----------------------------------------------------------------
-    def _replay(self, key: GraphKey, backend, step: StepInput) -> StepResult:
+    def _replay(self, key: GraphKey, backend, step: StepInput, ids_from: torch.Tensor | None = None) -> StepResult:
         g = self._graphs.get(key)
         if g is None:
-            g = self._capture(key, backend, step)
+            g = self._capture(key, backend, step, ids_from)
         else:
-            self._fill(g, step)
+            self._fill(g, step, ids_from)
             g.graph.replay()
         n = len(step.input_ids)
         logits, argmax, aux = g.outputs
@@ -232,16 +280,19 @@ class ModelRunner:
             logits, argmax, aux = logits[:n], argmax[:n], None if aux is None else aux[:n]
         return StepResult(logits, argmax if step.greedy else None, aux, {"generation": g.backend.name}, graph=True)
 
-    def _fill(self, g: _Captured, step: StepInput) -> None:
+    def _fill(self, g: _Captured, step: StepInput, ids_from: torch.Tensor | None = None) -> None:
         """Write the step's (padded) inputs into the graph's pinned buffers (their NumPy views), then
-        two async copies to the device."""
+        two async copies to the device (and, with ``ids_from``, a device copy of the input tokens)."""
         pad_step_into(g.tokens_np, g.key, step.input_ids, step.positions, step.slots, self.scratch_slot)
         gen = step.generation
         g.backend.pack_meta_into(g.meta_np, [s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen], self.tpb)
         g.tokens_dev.copy_(g.tokens_host, non_blocking=True)
         g.meta_dev.copy_(g.meta_host, non_blocking=True)
+        if ids_from is not None:
+            n = len(step.input_ids)
+            g.tokens_dev[0, :n].copy_(ids_from[:n])
 
-    def _capture(self, key: GraphKey, backend, step: StepInput) -> _Captured:
+    def _capture(self, key: GraphKey, backend, step: StepInput, ids_from: torch.Tensor | None = None) -> _Captured:
         """Capture the bucket's graph. Its warm-up runs ``step`` for real (same writes, same result)."""
         t0 = time.perf_counter()
         dev = self.target.device
@@ -251,7 +302,7 @@ class ModelRunner:
                       torch.empty(3, key.num_tokens, dtype=torch.long, device=dev),
                       torch.empty(key.num_seqs, width, dtype=torch.int32).pin_memory(),
                       torch.empty(key.num_seqs, width, dtype=torch.int32, device=dev))
-        self._fill(g, step)
+        self._fill(g, step, ids_from)
         chunk = INVARIANT_SPLIT_CHUNK if self.policy.batch_invariant else 0
         plan = backend.graph_plan(g.meta_dev, key.num_tokens, key.max_q_len, key.max_kv_len, self.tpb,
                                   split_chunk=chunk)

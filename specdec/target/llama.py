@@ -293,7 +293,7 @@ class LlamaTarget:
 
         c = self.config
         T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps, wanted, captured, pdl = c.rms_norm_eps, set(hidden_layer_ids), {}, self.pdl
+        eps, wanted, captured = c.rms_norm_eps, set(hidden_layer_ids), {}
         x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream, updated in place
         delta = None  # what the last sub-layer adds to x, folded into the next norm
         for i, L in enumerate(self.layers):

@@ -1,0 +1,149 @@
+"""Overlapped decode steps (``EngineConfig.overlap_steps``): the next step launched before the current
+step's tokens reach the host gives exactly the outputs of plain steps, whatever ends requests.
+
+On the CPU the same logic runs (the launch is synchronous there, so nothing overlaps in time): the next
+step's input tokens come from the previous step's argmax tensor, the cache slot is reserved ahead, and a
+request that ends drops the token of the step launched ahead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdec import EngineConfig, SamplingParams, SpecEngine
+from specdec.drafters import SuffixAutomatonDrafter
+from specdec.errors import ConfigError
+from specdec.target import load_target
+
+EOS = 63
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random 2-layer Llama (vocab 64, EOS 63) written as a real checkpoint."""
+    path = tmp_path_factory.mktemp("tiny_overlap")
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                                   eos_token_id=EOS)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return load_target(path)
+
+
+def _outputs(engine, prompts, params):
+    return [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
+
+
+def _pair(target, **kw):
+    return (SpecEngine(target, None, EngineConfig(overlap_steps=False, **kw)),
+            SpecEngine(target, None, EngineConfig(overlap_steps=True, **kw)))
+
+
+def test_config_is_checked(tiny):
+    with pytest.raises(ConfigError, match="overlap_steps must be True or False"):
+        EngineConfig(overlap_steps="yes")
+    with pytest.raises(ConfigError, match="never drafts"):
+        SpecEngine(tiny, SuffixAutomatonDrafter(), EngineConfig(overlap_steps=True))
+    # a drafter with max_draft_tokens=0 never drafts: allowed
+    SpecEngine(tiny, SuffixAutomatonDrafter(), EngineConfig(overlap_steps=True, max_draft_tokens=0))
+    assert SpecEngine(tiny, None)._overlap is False  # off by default
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8])
+def test_equal_to_plain_steps_with_eos_and_lengths(tiny, max_num_seqs):
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [5], [40, 41], [3, 3, 3, 3]]
+    params = [SamplingParams(max_new_tokens=n) for n in (30, 1, 12, 2, 45, 20)]  # EOS may end any of them
+    plain, overlap = _pair(tiny, max_num_seqs=max_num_seqs)
+    want, got = _outputs(plain, prompts, params), _outputs(overlap, prompts, params)
+    assert got == want
+    assert overlap.timings["overlapped_steps"] > 0 and plain.timings["overlapped_steps"] == 0
+    assert overlap.runner.stats["chained_steps"] == overlap.timings["overlapped_steps"]
+    assert overlap.manager.num_free_pages == overlap.manager.num_pages  # nothing leaked
+    assert overlap._inflight is None
+
+
+def test_serving_calls_abort_and_late_arrivals(tiny):
+    """The serving loop: requests added and aborted between steps stream the same tokens. (A request
+    added while a step is in flight is admitted one step later: that step was launched without it.)"""
+    plain, overlap = _pair(tiny, max_num_seqs=4)
+    streams = []
+    for engine in (plain, overlap):
+        got, ids = {}, {}
+        ids["a"] = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=25, ignore_eos=True))
+        ids["b"] = engine.add_request([9, 8], SamplingParams(max_new_tokens=25, ignore_eos=True))
+        for i in range(40):
+            if i == 4:
+                ids["c"] = engine.add_request([4, 4, 4, 4], SamplingParams(max_new_tokens=10, ignore_eos=True))
+            if i == 7:
+                engine.abort(ids["b"])
+            for o in engine.step():
+                got[o.req_id] = got.get(o.req_id, ()) + o.new_token_ids
+            if not engine.has_unfinished():
+                break
+        streams.append((got, {k: engine.output(v).token_ids for k, v in ids.items()}))
+        assert engine.manager.num_free_pages == engine.manager.num_pages
+    assert streams[1] == streams[0]
+    assert overlap.timings["overlapped_steps"] > 0
+
+
+def test_pool_pressure_falls_back_to_plain_steps(tiny):
+    """A pool too small to reserve every request's next slot ahead: those steps run plainly (and the
+    scheduler preempts as it would without overlap); outputs unchanged."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain, overlap = _pair(tiny, max_num_seqs=3, num_pages=14, tokens_per_block=4)
+    assert _outputs(overlap, prompts, params) == _outputs(plain, prompts, params)
+    assert 0 < overlap.timings["overlapped_steps"] < overlap.timings["steps"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_mix_of_requests_gives_plain_outputs(tiny, data):
+    n = data.draw(st.integers(1, 5))
+    prompts = [data.draw(st.lists(st.integers(0, 62), min_size=1, max_size=12)) for _ in range(n)]
+    params = [SamplingParams(max_new_tokens=data.draw(st.integers(1, 24)), ignore_eos=data.draw(st.booleans()))
+              for _ in range(n)]
+    kw = {"max_num_seqs": data.draw(st.integers(1, 4)), "tokens_per_block": data.draw(st.sampled_from([1, 4, 16])),
+          "num_pages": data.draw(st.sampled_from([None, 64]))}
+    plain, overlap = _pair(tiny, **kw)
+    assert _outputs(overlap, prompts, params) == _outputs(plain, prompts, params)
+    assert overlap.manager.num_free_pages == overlap.manager.num_pages
+
+
+@pytest.mark.slow
+def test_real_model_equal_to_plain_steps(smollm2):
+    """SmolLM2 fp32 on HumanEval prompts, ended by its own EOS or the length limit."""
+    from specdec.prompts import humaneval_prompts
+
+    prompts = humaneval_prompts(range(0, 3))
+    params = SamplingParams(max_new_tokens=40)
+    plain, overlap = _pair(smollm2, max_num_seqs=3)
+    assert _outputs(overlap, prompts, params) == _outputs(plain, prompts, params)
+    assert overlap.timings["overlapped_steps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU tests above run the same logic)")
+class TestOnGPU:
+    """Graph steps chained on the device: pinned argmax copies in turn, event waits, tokens copied
+    into the next graph's inputs."""
+
+    @pytest.mark.parametrize("batch", [1, 4])
+    def test_equal_to_plain_graph_steps(self, batch):
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        from step_profile import prompts, random_target
+
+        target = random_target("cuda", torch.bfloat16, layers=4)
+        ids = prompts(batch + 1, 30, target.config.vocab_size)
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 7, 33, 12, 25)[: batch + 1]]
+        plain, overlap = _pair(target, max_num_seqs=batch)
+        assert _outputs(overlap, ids, params) == _outputs(plain, ids, params)
+        assert overlap.timings["overlapped_steps"] > 0 and overlap.graph_stats["graph_steps"] > 0
+        assert overlap.manager.num_free_pages == overlap.manager.num_pages
