@@ -21,6 +21,23 @@ def smollm2():
     return load_target("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random 2-layer Llama (vocab 64, EOS 63, 96 positions) written as a real checkpoint (no
+    tokenizer: token-id prompts)."""
+    import transformers
+
+    from specdec.target import load_target
+
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                                   eos_token_id=63)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return load_target(path)
+
+
 class PagedRunner:
     """Feeds chunks of tokens through a target over its own paged cache, like the engine does."""
 

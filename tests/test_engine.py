@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 
 from specdec import EngineConfig, SamplingParams, SpecEngine
 from specdec.drafters import Draft, Drafter, NullDrafter, SuffixAutomatonDrafter
@@ -17,19 +15,6 @@ from specdec.errors import (
     UnsupportedShapeError,
     VocabMismatchError,
 )
-from specdec.target import load_target
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random 2-layer Llama written as a real checkpoint (no tokenizer: token-id prompts)."""
-    path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-                                   eos_token_id=63)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return load_target(path)
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 10, 11], [5]]

@@ -10,28 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec import EngineConfig, SamplingParams, SpecEngine
 from specdec.drafters import SuffixAutomatonDrafter
 from specdec.errors import ConfigError
-from specdec.target import load_target
-
-EOS = 63
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random 2-layer Llama (vocab 64, EOS 63) written as a real checkpoint."""
-    path = tmp_path_factory.mktemp("tiny_overlap")
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-                                   eos_token_id=EOS)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return load_target(path)
 
 
 def _outputs(engine, prompts, params):
