@@ -245,6 +245,8 @@ class SpecEngine:
             batch, result = self._inflight
             self._inflight, self._ahead = None, {}
             batch, result = self._running_part(batch, result)
+            if not batch:  # every request of it was aborted since
+                return []
             drafts = [Draft()] * len(batch.generation)
         else:
             batch = self.scheduler.schedule(self._draft_budget)
@@ -406,8 +408,8 @@ class SpecEngine:
         return ScheduledBatch(generation=list(seqs), budgets=[0] * n), ahead
 
     def _running_part(self, batch: ScheduledBatch, result: StepResult) -> tuple[ScheduledBatch, StepResult]:
-        """A step launched ahead, without the requests that ended (finished or aborted) since:
-        their rows are dropped from its result once it is finished."""
+        """A step launched ahead, without the requests that ended since it was launched (aborted,
+        or ended by the step before it): their rows are dropped from its result once it is finished."""
         keep = [i for i, s in enumerate(batch.generation) if s.status is Status.RUNNING]
         if len(keep) == len(batch.generation):
             return batch, result

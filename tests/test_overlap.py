@@ -74,6 +74,21 @@ def test_serving_calls_abort_and_late_arrivals(tiny):
     assert overlap.timings["overlapped_steps"] > 0
 
 
+def test_abort_of_every_request_of_the_step_in_flight(tiny):
+    engine = SpecEngine(tiny, None, EngineConfig(overlap_steps=True))
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in ([1, 2], [3, 4, 5])]
+    engine.step()
+    engine.step()
+    assert engine._inflight is not None
+    for r in ids:
+        engine.abort(r)
+    assert engine.step() == [] and engine._inflight is None and not engine.has_unfinished()
+    assert engine.manager.num_free_pages == engine.manager.num_pages
+    later = engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert later[0].token_ids == SpecEngine(tiny, None).generate([[7, 8, 9]], SamplingParams(
+        max_new_tokens=6, ignore_eos=True))[0].token_ids
+
+
 def test_pool_pressure_falls_back_to_plain_steps(tiny):
     """A pool too small to reserve every request's next slot ahead: those steps run plainly (and the
     scheduler preempts as it would without overlap); outputs unchanged."""
