@@ -8,7 +8,8 @@ scratch slot and are ignored, extra requests have ``q_len = 0``. Buckets:
 - tokens per request: 1 (decode) or ``1 + max_draft_tokens`` (verify, any draft length);
 - tokens: the next power of two, between the bucket's requests and requests x tokens per request;
 - context: the next power of two of the longest request's ``kv_len``, at least
-  256 tokens, at most the model's context (it sizes the split-KV launch).
+  256 tokens, at most the model's context (it sizes the split-KV launch; the splits
+  themselves start at fixed key offsets, :func:`split_chunk`).
 
 With ``batch_invariant`` there is one bucket, the largest (``max_num_seqs``
 requests x ``1 + max_draft_tokens`` tokens, the whole context, KV split at
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from specdec.errors import ConfigError
 
 MIN_KV_BUCKET = 256
-INVARIANT_SPLIT_CHUNK = 256  # keys per KV split in batch-invariant steps (a multiple of every key tile)
+GRAPH_SPLIT_CHUNK = 256  # keys per KV split of graph steps (a multiple of every key tile)
+MAX_GRAPH_SPLITS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,18 @@ class GraphPolicy:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (``n >= 1``)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def split_chunk(max_kv_len: int) -> int:
+    """Keys per KV split of a graph bucket's attention: 256 while that makes at most 16 splits,
+    else the smallest power of two that does.
+
+    Splits start at fixed key offsets (multiples of the chunk), so which keys a split sums, and
+    in what order, does not depend on the step's other requests or draft lengths: every bucket
+    of up to 4,096 keys gives a query row the same bits (a drafter's bf16 greedy output can then
+    equal the null drafter's at any batch size). Splits past a request's keys are empty.
+    """
+    return max(GRAPH_SPLIT_CHUNK, next_pow2(-(-max_kv_len // MAX_GRAPH_SPLITS)))
 
 
 def graph_key(policy: GraphPolicy, q_lens: list[int] | tuple[int, ...],

@@ -21,7 +21,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
 from specdec.attention.selector import select
-from specdec.graphs import INVARIANT_SPLIT_CHUNK, GraphKey, GraphPolicy, graph_key, pad_step_into
+from specdec.graphs import GraphKey, GraphPolicy, graph_key, pad_step_into, split_chunk
 
 
 @dataclass(slots=True)
@@ -303,9 +303,8 @@ class ModelRunner:
                       torch.empty(key.num_seqs, width, dtype=torch.int32).pin_memory(),
                       torch.empty(key.num_seqs, width, dtype=torch.int32, device=dev))
         self._fill(g, step, ids_from)
-        chunk = INVARIANT_SPLIT_CHUNK if self.policy.batch_invariant else 0
         plan = backend.graph_plan(g.meta_dev, key.num_tokens, key.max_q_len, key.max_kv_len, self.tpb,
-                                  split_chunk=chunk)
+                                  split_chunk=split_chunk(key.max_kv_len))
         shape = self.shape_of("generation", key.max_q_len, False)
         attn = AttentionMetadata(g.tokens_dev[2], (PhasePlan(shape, 0, key.num_tokens, backend, plan),))
         layer_ids = self.hidden_layer_ids

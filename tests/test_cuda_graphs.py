@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from specdec import SamplingParams, SpecEngine
 from specdec.drafters import SuffixAutomatonDrafter
 from specdec.errors import ConfigError
-from specdec.graphs import (MIN_KV_BUCKET, GraphKey, GraphPolicy, all_buckets, graph_key, next_pow2,
-                            pad_step_into)
+from specdec.graphs import (MAX_GRAPH_SPLITS, MIN_KV_BUCKET, GraphKey, GraphPolicy, all_buckets, graph_key,
+                            next_pow2, pad_step_into, split_chunk)
 
 HAS_CUDA = torch.cuda.is_available()
 POLICY = GraphPolicy(max_num_seqs=64, max_draft_tokens=8, max_context=8192)
@@ -84,6 +84,15 @@ def test_all_buckets_lists_every_bucket_a_step_can_need(reqs, max_seqs, k, invar
         assert key in {key for key, _ in all_buckets(policy, decode_only=True)}
     if not invariant:
         assert all(b.max_kv_len <= 512 for b, _ in all_buckets(policy, max_kv_len=300))
+
+
+@given(st.integers(1, 1 << 21))
+def test_split_chunk_is_fixed_below_4k_and_bounds_the_splits(max_kv):
+    chunk = split_chunk(max_kv)
+    assert chunk % 128 == 0 and chunk >= 256  # whole key tiles of every tile size
+    assert -(-max_kv // chunk) <= MAX_GRAPH_SPLITS
+    assert chunk == 256 if max_kv <= 4096 else chunk < 2 * max(256, -(-max_kv // MAX_GRAPH_SPLITS))
+    assert split_chunk(max_kv + 1) >= chunk  # a larger bucket never splits finer
 
 
 def test_all_buckets_for_a_small_policy():

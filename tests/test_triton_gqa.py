@@ -354,6 +354,30 @@ def test_decode_and_verify_rows_agree_bit_for_bit(dtype, q_len):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_buckets_give_a_row_the_same_bits(dtype):
+    """A request's decode row in graph buckets of 512, 1,024 and 4,096 keys (the split count follows
+    the bucket, the split offsets do not: graphs.split_chunk) and in a 9-token verify step: the same
+    bits, so the other requests of a step cannot change a row (batch 8 and 32 outputs equal null's).
+    With balanced splits (``split_chunk=0``) this fails."""
+    from specdec.graphs import split_chunk
+
+    step = make_step([], [(9, 300)], h=9, hkv=3, d=64, tpb=16, dtype=dtype, seed=8)
+    kc, vc = _cache_after_writes(step)
+    table, backend = step["generation"][0][2], TritonGQABackend()
+
+    def run(n, kv_len, q, bucket):
+        meta = torch.tensor(backend.pack_meta([n], [kv_len], [table], 16, 3 + 32), dtype=torch.int32, device=DEVICE)
+        plan = backend.graph_plan(meta, q.shape[0], n, bucket, 16, split_chunk=split_chunk(bucket))
+        return backend.run(plan, q, kc, vc, 64 ** -0.5, 64)
+
+    verify = run(9, 300, step["q"], 512)
+    for j in (0, 4, 8):
+        for bucket in (512, 1024, 4096):
+            assert torch.equal(run(1, 292 + j, step["q"][j:j + 1], bucket)[0], verify[j]), (j, bucket)
+
+
+@needs_kernels
 @pytest.mark.parametrize(("d", "dv"), [(80, 80), (128, 128), (256, 256), (32, 16)])  # 8: the CPU engine test
 def test_head_dims(d, dv):
     """Head dims padded to a power of two >= 16 inside the kernel; V may be narrower than K."""
