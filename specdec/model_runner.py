@@ -78,6 +78,7 @@ class _Captured:
     outputs: tuple = field(default_factory=tuple)  # logits, argmax, hidden
     tokens_np: object = None  # NumPy views of the pinned buffers (the host writes there)
     meta_np: object = None
+    copied: object = None  # CUDA event after the last H2D copies from the pinned buffers (overlapped steps)
 
     def __post_init__(self) -> None:
         self.tokens_np, self.meta_np = self.tokens_host.numpy(), self.meta_host.numpy()
@@ -282,12 +283,20 @@ class ModelRunner:
 
     def _fill(self, g: _Captured, step: StepInput, ids_from: torch.Tensor | None = None) -> None:
         """Write the step's (padded) inputs into the graph's pinned buffers (their NumPy views), then
-        two async copies to the device (and, with ``ids_from``, a device copy of the input tokens)."""
+        two async copies to the device (and, with ``ids_from``, a device copy of the input tokens).
+
+        With steps in flight together (``copy_argmax_out``), the previous step of this graph may not
+        have read the pinned buffers yet: the host first waits for that copy (recorded as an event)."""
+        if g.copied is not None:
+            g.copied.synchronize()
         pad_step_into(g.tokens_np, g.key, step.input_ids, step.positions, step.slots, self.scratch_slot)
         gen = step.generation
         g.backend.pack_meta_into(g.meta_np, [s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen], self.tpb)
         g.tokens_dev.copy_(g.tokens_host, non_blocking=True)
         g.meta_dev.copy_(g.meta_host, non_blocking=True)
+        if self.copy_argmax_out:
+            g.copied = torch.cuda.Event()
+            g.copied.record()
         if ids_from is not None:
             n = len(step.input_ids)
             g.tokens_dev[0, :n].copy_(ids_from[:n])
