@@ -11,6 +11,7 @@
 #   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts (k = 15: 16-token verify rows), without
 #                                      # and with a dev-split corpus, batch 1 and 8, REPEAT (3) rounds
 #   bash bench/device_gpu.sh host      # host time per step and the PDL levels, in turn (random weights)
+#   bash bench/device_gpu.sh prompts   # prompt steps from graphs against eager ones (tuned suffix drafter, batch 1)
 #   bash bench/device_gpu.sh overlap   # overlapped decode steps against plain ones (host profile, then end to end)
 set -uo pipefail
 . /tmp/stage/env.sh
@@ -52,6 +53,13 @@ for part in "$@"; do
         --out "$OUT/host_overlap" 2>&1 | grep "^|" | head -10
       timeout 400 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --repeat 2 --drafters null,null+overlap --skip-hf --out "$OUT/e2e_overlap" 2>&1 | tail -20 ;;
+    prompts)  # prompt steps replayed from graphs (EngineConfig.prompt_graphs) beside eager ones, batch 1
+      for pg in "" "--prompt-graphs"; do
+        timeout 280 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+          --batch-sizes 1 --repeat 2 --drafters null,suffix+corpus --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
+          --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf $pg \
+          --out "$OUT/e2e_prompts${pg:+_graphs}" 2>&1 | grep "^|"
+      done ;;
     host)
       timeout 120 python bench/host_profile.py --device cuda --pdl 2,1,0,2,1 --batch-sizes 1 --new-tokens 128 \
         --out "$OUT/host" 2>&1 | grep "^|" | head -8

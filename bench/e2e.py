@@ -190,6 +190,7 @@ def main() -> None:
                     help="run every specdec system this many times, round-robin; report the median run and the "
                          "median of the per-round ratios to specdec-null (host noise on shared machines)")
     ap.add_argument("--no-graphs", action="store_true", help="cuda_graphs=False")
+    ap.add_argument("--prompt-graphs", action="store_true", help="prompt_graphs=True (prompt steps replay graphs)")
     ap.add_argument("--no-precapture", action="store_true",
                     help="capture graph buckets on demand (inside timed steps) instead of before the run")
     ap.add_argument("--skip-hf", action="store_true")
@@ -235,6 +236,8 @@ def main() -> None:
                     print(f"hf-static b{b} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         del model
     engine_kw = {"cuda_graphs": False} if args.no_graphs else {}
+    if args.prompt_graphs:
+        engine_kw["prompt_graphs"] = True
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     for b in batch_sizes:

@@ -80,6 +80,9 @@ class EngineConfig:
             are unchanged (a request that ends at a step drops the next step's token); a request
             added meanwhile is admitted one step later. Off by default until measured on the
             GPU; on the CPU it runs the same logic without overlapping anything.
+        prompt_graphs: prompt-only steps of at most 512 tokens replay CUDA graphs too
+            (bucketed like generation steps; the logits of each request's last token), instead
+            of launching some 150 kernels from Python. Off by default until tested on the GPU.
     """
 
     max_draft_tokens: int = 8
@@ -95,6 +98,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     batch_invariant: bool = False
     overlap_steps: bool = False
+    prompt_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
@@ -113,7 +117,7 @@ class EngineConfig:
         if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
             raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
                               f"must be 1.0, got {self.kv_scale!r}")
-        for name in ("cuda_graphs", "batch_invariant", "overlap_steps"):
+        for name in ("cuda_graphs", "batch_invariant", "overlap_steps", "prompt_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_invariant and not self.cuda_graphs:

@@ -95,7 +95,8 @@ class SpecEngine:
         cfg = self.config
         policy = scratch = None
         if cfg.cuda_graphs:
-            policy = GraphPolicy(cfg.max_num_seqs, cfg.max_draft_tokens, self.target.max_context, cfg.batch_invariant)
+            policy = GraphPolicy(cfg.max_num_seqs, cfg.max_draft_tokens, self.target.max_context, cfg.batch_invariant,
+                                 cfg.prompt_graphs)
             if self.target.device.type == "cuda":  # one slot no request owns, for padding tokens' writes
                 self.manager.allocate(_SCRATCH, 1)
                 scratch = self.manager.slots(_SCRATCH, 0, 1)[0]
@@ -139,7 +140,8 @@ class SpecEngine:
         return {**st, "eager_reasons": dict(st["eager_reasons"]), "backends": dict(st["backends"])}
 
     def capture_graphs(self, max_kv_len: int | None = None, progress: bool = True) -> int:
-        """Capture the CUDA graph of every generation bucket now, before serving.
+        """Capture the CUDA graph of every generation bucket (and, with ``prompt_graphs``, every
+        one-request prompt bucket) now, before serving.
 
         Without it a bucket is captured by the first step that needs it (tens of ms, inside
         that step). Captures use the scratch slot only; no request is touched. A no-op (0)

@@ -28,16 +28,21 @@ from specdec.errors import ConfigError
 MIN_KV_BUCKET = 256
 GRAPH_SPLIT_CHUNK = 256  # keys per KV split of graph steps (a multiple of every key tile)
 MAX_GRAPH_SPLITS = 16
+MAX_PROMPT_GRAPH_TOKENS = 512  # prompt steps up to this many tokens may replay a graph
+MIN_PROMPT_BUCKET = 16
 
 
 @dataclass(frozen=True, slots=True)
 class GraphKey:
-    """The launch sizes of one captured graph (a bucket)."""
+    """The launch sizes of one captured graph (a bucket), and its attention phase: ``"generation"``
+    (decode / verify: logits of every token) or ``"context"`` (prompts: logits of each request's
+    last token)."""
 
     num_seqs: int
     num_tokens: int
     max_q_len: int
     max_kv_len: int
+    phase: str = "generation"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +54,15 @@ class GraphPolicy:
         max_draft_tokens: most draft tokens per request (k).
         max_context: most tokens a request may hold.
         batch_invariant: one bucket for every generation step (see module docstring).
+        prompt_graphs: prompt-only steps of at most :data:`MAX_PROMPT_GRAPH_TOKENS` tokens replay
+            graphs too (:func:`prompt_graph_key`).
     """
 
     max_num_seqs: int
     max_draft_tokens: int
     max_context: int
     batch_invariant: bool = False
+    prompt_graphs: bool = False
 
     @property
     def verify_len(self) -> int:
@@ -105,6 +113,48 @@ def graph_key(policy: GraphPolicy, q_lens: list[int] | tuple[int, ...],
     tokens = max(b, min(next_pow2(sum(q_lens)), b * ql))
     kv = min(max(next_pow2(max(kv_lens)), MIN_KV_BUCKET), policy.max_context)
     return GraphKey(b, tokens, ql, kv), ""
+
+
+def prompt_graph_key(policy: GraphPolicy, q_lens: list[int] | tuple[int, ...],
+                     kv_lens: list[int] | tuple[int, ...]) -> tuple[GraphKey | None, str]:
+    """The bucket of a prompt-only (context) step, or ``None`` and why it must run eagerly.
+
+    Requests round up to a power of two (at most ``max_num_seqs``); tokens to a power of two of at
+    least 16, at most :data:`MAX_PROMPT_GRAPH_TOKENS`; the longest prompt to a power of two (at
+    most the tokens); the context as for generation steps.
+    """
+    n = len(q_lens)
+    if not policy.prompt_graphs:
+        return None, "a context phase in the step"
+    if n == 0:
+        return None, "no context requests"
+    if n > policy.max_num_seqs:
+        return None, f"{n} requests > max_num_seqs {policy.max_num_seqs}"
+    total = sum(q_lens)
+    if total > MAX_PROMPT_GRAPH_TOKENS:
+        return None, f"a prompt step of {total} tokens > {MAX_PROMPT_GRAPH_TOKENS}"
+    if max(kv_lens) > policy.max_context:
+        return None, f"kv_len {max(kv_lens)} > max_context {policy.max_context}"
+    tokens = max(MIN_PROMPT_BUCKET, next_pow2(total))
+    q = min(tokens, max(MIN_PROMPT_BUCKET, next_pow2(max(q_lens))))
+    kv = min(max(next_pow2(max(kv_lens)), MIN_KV_BUCKET), policy.max_context)
+    return GraphKey(min(next_pow2(n), policy.max_num_seqs), tokens, q, kv, "context"), ""
+
+
+def single_prompt_buckets(policy: GraphPolicy, max_kv_len: int | None = None) -> list[tuple[GraphKey, int]]:
+    """The buckets of one-request prompt steps (what a batch-1 server replays), each with a prompt
+    length that falls in it; empty without ``prompt_graphs``."""
+    if not policy.prompt_graphs:
+        return []
+    top = min(MAX_PROMPT_GRAPH_TOKENS, policy.max_context, max_kv_len or policy.max_context)
+    out, length = [], MIN_PROMPT_BUCKET
+    while True:
+        n = min(length, top)
+        key, _ = prompt_graph_key(policy, [n], [n])
+        out.append((key, n))
+        if n >= top:
+            return out
+        length *= 2
 
 
 def all_buckets(policy: GraphPolicy, decode_only: bool = False,

@@ -6,7 +6,8 @@ greedy (the step's one device-to-host synchronisation), and the drafter's
 target hidden states.
 
 Generation-only steps on CUDA replay a graph captured for their bucket
-(:mod:`specdec.graphs`) when the generation backend is capturable; every
+(:mod:`specdec.graphs`) when the generation backend is capturable; so do
+prompt-only steps of few tokens with ``GraphPolicy.prompt_graphs``. Every
 other step runs eagerly, and ``stats["eager_reasons"]`` says why. A step's
 host inputs reach the device in two non-blocking copies from pinned buffers.
 """
@@ -21,7 +22,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
 from specdec.attention.selector import select
-from specdec.graphs import GraphKey, GraphPolicy, graph_key, pad_step_into, split_chunk
+from specdec.graphs import GraphKey, GraphPolicy, graph_key, pad_step_into, prompt_graph_key, split_chunk
 
 
 @dataclass(slots=True)
@@ -79,9 +80,14 @@ class _Captured:
     tokens_np: object = None  # NumPy views of the pinned buffers (the host writes there)
     meta_np: object = None
     copied: object = None  # CUDA event after the last H2D copies from the pinned buffers (overlapped steps)
+    rows_host: torch.Tensor | None = None  # prompt buckets: pinned [num_seqs] int64, the rows whose logits
+    rows_dev: torch.Tensor | None = None  # the step needs (each request's last token)
+    rows_np: object = None
 
     def __post_init__(self) -> None:
         self.tokens_np, self.meta_np = self.tokens_host.numpy(), self.meta_host.numpy()
+        if self.rows_host is not None:
+            self.rows_np = self.rows_host.numpy()
 
 
 class ModelRunner:
@@ -172,10 +178,12 @@ class ModelRunner:
             if ids_from.shape[0] < len(step.input_ids):
                 raise ValueError(f"ids_from has {ids_from.shape[0]} tokens, the step {len(step.input_ids)}")
             self.stats["chained_steps"] += 1
-        why = self._no_graph or ("a context phase in the step" if step.context else "")
+        why = self._no_graph or ("a context phase in the step" if step.context and step.generation else "")
         key = None
         if not why:
-            key, why = graph_key(self.policy, [g[0] for g in step.generation], [g[1] for g in step.generation])
+            seqs = step.context or step.generation
+            keyer = prompt_graph_key if step.context else graph_key
+            key, why = keyer(self.policy, [s[0] for s in seqs], [s[1] for s in seqs])
         captured = self._graphs.get(key) if key is not None else None
         backend = captured.backend if captured is not None else None  # selected when it was captured
         if key is not None and captured is None:
@@ -210,7 +218,8 @@ class ModelRunner:
         result.pending = (host, event)
 
     def capture_buckets(self, decode_only: bool = False, max_kv_len: int | None = None, progress=None) -> int:
-        """Capture every graph bucket now (not during the first steps that need them).
+        """Capture every graph bucket now (not during the first steps that need them): the
+        generation buckets and, with ``prompt_graphs``, the one-request prompt buckets.
 
         Each capture runs a synthetic step whose tokens all write to the scratch slot and whose
         page tables name only the scratch page: no request's cache is touched.
@@ -223,18 +232,23 @@ class ModelRunner:
         Returns:
             how many graphs were captured (buckets already captured are skipped).
         """
-        from specdec.graphs import all_buckets
+        from specdec.graphs import all_buckets, single_prompt_buckets
 
         if self._no_graph:
             return 0
-        buckets = [(k, q) for k, q in all_buckets(self.policy, decode_only, max_kv_len) if k not in self._graphs]
+        buckets = all_buckets(self.policy, decode_only, max_kv_len)
+        buckets += [(k, [n]) for k, n in single_prompt_buckets(self.policy, max_kv_len)]
+        buckets = [(k, q) for k, q in buckets if k not in self._graphs]
         page = self.scratch_slot // self.tpb
         for done, (key, q_lens) in enumerate(buckets, 1):
-            kv = key.max_kv_len
+            kv = key.max_kv_len if key.phase == "generation" else max(q_lens)
             table = (page,) * -(-kv // self.tpb)
             n = sum(q_lens)
+            seqs = [(q, kv, table) for q in q_lens]
+            ctx, gen = (seqs, []) if key.phase == "context" else ([], seqs)
+            rows = list(range(n)) if key.phase == "generation" else [n - 1]
             step = StepInput([0] * n, [p for q in q_lens for p in range(kv - q, kv)], [self.scratch_slot] * n,
-                             [], [(q, kv, table) for q in q_lens], list(range(n)), True)
+                             ctx, gen, rows, True)
             backend, why = self._graph_backend(key)
             if why:
                 return done - 1
@@ -244,8 +258,8 @@ class ModelRunner:
         return len(buckets)
 
     def _graph_backend(self, key: GraphKey):
-        """The generation backend a bucket's graph would launch, and why it cannot ("" if it can)."""
-        backend = select(self.shape_of("generation", key.max_q_len, False), self.requested)
+        """The attention backend a bucket's graph would launch, and why it cannot ("" if it can)."""
+        backend = select(self.shape_of(key.phase, key.max_q_len, False), self.requested)
         return backend, "" if getattr(backend, "capturable", False) else f"backend {backend.name} cannot be captured"
 
     # -- eager -----------------------------------------------------------------
@@ -275,11 +289,13 @@ class ModelRunner:
         else:
             self._fill(g, step, ids_from)
             g.graph.replay()
-        n = len(step.input_ids)
+        n, rows = len(step.input_ids), len(step.rows)
         logits, argmax, aux = g.outputs
-        if n < g.key.num_tokens:  # drop the padding rows (views; no copy)
-            logits, argmax, aux = logits[:n], argmax[:n], None if aux is None else aux[:n]
-        return StepResult(logits, argmax if step.greedy else None, aux, {"generation": g.backend.name}, graph=True)
+        if rows < logits.shape[0]:  # drop the padding rows (views; no copy)
+            logits, argmax = logits[:rows], argmax[:rows]
+        if aux is not None and n < aux.shape[0]:
+            aux = aux[:n]
+        return StepResult(logits, argmax if step.greedy else None, aux, {g.key.phase: g.backend.name}, graph=True)
 
     def _fill(self, g: _Captured, step: StepInput, ids_from: torch.Tensor | None = None) -> None:
         """Write the step's (padded) inputs into the graph's pinned buffers (their NumPy views), then
@@ -290,10 +306,14 @@ class ModelRunner:
         if g.copied is not None:
             g.copied.synchronize()
         pad_step_into(g.tokens_np, g.key, step.input_ids, step.positions, step.slots, self.scratch_slot)
-        gen = step.generation
-        g.backend.pack_meta_into(g.meta_np, [s[0] for s in gen], [s[1] for s in gen], [s[2] for s in gen], self.tpb)
+        seqs = step.context if g.key.phase == "context" else step.generation
+        g.backend.pack_meta_into(g.meta_np, [s[0] for s in seqs], [s[1] for s in seqs], [s[2] for s in seqs], self.tpb)
         g.tokens_dev.copy_(g.tokens_host, non_blocking=True)
         g.meta_dev.copy_(g.meta_host, non_blocking=True)
+        if g.rows_np is not None:  # a prompt bucket: the rows whose logits the step needs; padding reads row 0
+            r = len(step.rows)
+            g.rows_np[:r], g.rows_np[r:] = step.rows, 0
+            g.rows_dev.copy_(g.rows_host, non_blocking=True)
         if self.copy_argmax_out:
             g.copied = torch.cuda.Event()
             g.copied.record()
@@ -306,22 +326,25 @@ class ModelRunner:
         t0 = time.perf_counter()
         dev = self.target.device
         width = self.meta_width
+        prompt = key.phase == "context"
         g = _Captured(key, backend,
                       torch.empty(3, key.num_tokens, dtype=torch.long).pin_memory(),
                       torch.empty(3, key.num_tokens, dtype=torch.long, device=dev),
                       torch.empty(key.num_seqs, width, dtype=torch.int32).pin_memory(),
-                      torch.empty(key.num_seqs, width, dtype=torch.int32, device=dev))
+                      torch.empty(key.num_seqs, width, dtype=torch.int32, device=dev),
+                      rows_host=torch.empty(key.num_seqs, dtype=torch.long).pin_memory() if prompt else None,
+                      rows_dev=torch.empty(key.num_seqs, dtype=torch.long, device=dev) if prompt else None)
         self._fill(g, step, ids_from)
         plan = backend.graph_plan(g.meta_dev, key.num_tokens, key.max_q_len, key.max_kv_len, self.tpb,
                                   split_chunk=split_chunk(key.max_kv_len))
-        shape = self.shape_of("generation", key.max_q_len, False)
+        shape = self.shape_of(key.phase, key.max_q_len, False)
         attn = AttentionMetadata(g.tokens_dev[2], (PhasePlan(shape, 0, key.num_tokens, backend, plan),))
         layer_ids = self.hidden_layer_ids
 
         def forward():
             hidden, captured = self.target.forward(g.tokens_dev[0], g.tokens_dev[1], attn, self.pool,
                                                    hidden_layer_ids=layer_ids)
-            logits = self.target.compute_logits(hidden)
+            logits = self.target.compute_logits(hidden[g.rows_dev] if prompt else hidden)
             aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
             return logits, logits.argmax(-1), aux
 

@@ -268,3 +268,74 @@ class TestSmolLM2OnGPU:
         drafted, engine = _generate(target, SuffixAutomatonDrafter(), prompts[:batch], 128, **kw)
         assert drafted == null
         assert set(engine.runner.stats["eager_reasons"]) <= {"a context phase in the step"}
+
+
+# --------------------------------------------------------------------------- prompt buckets (pure)
+
+PROMPT_POLICY = GraphPolicy(max_num_seqs=8, max_draft_tokens=8, max_context=2048, prompt_graphs=True)
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=10))
+def test_prompt_key_holds_the_step_or_says_why(prompts):
+    from specdec.graphs import MAX_PROMPT_GRAPH_TOKENS, prompt_graph_key
+
+    key, why = prompt_graph_key(PROMPT_POLICY, prompts, prompts)
+    if len(prompts) > 8:
+        assert key is None and "max_num_seqs" in why
+    elif sum(prompts) > MAX_PROMPT_GRAPH_TOKENS:
+        assert key is None and "tokens" in why
+    else:
+        assert why == "" and key.phase == "context"
+        assert key.num_seqs >= len(prompts) and key.num_tokens >= sum(prompts) and key.max_q_len >= max(prompts)
+        assert key.max_kv_len >= max(prompts) and key.max_q_len <= key.num_tokens <= MAX_PROMPT_GRAPH_TOKENS
+        assert all(v & (v - 1) == 0 for v in (key.num_seqs, key.num_tokens, key.max_q_len))
+
+
+def test_prompt_keys_are_off_unless_asked_and_differ_from_generation_keys():
+    from specdec.graphs import prompt_graph_key, single_prompt_buckets
+
+    assert prompt_graph_key(POLICY, [5], [5]) == (None, "a context phase in the step")
+    assert single_prompt_buckets(POLICY) == []
+    key, _ = prompt_graph_key(PROMPT_POLICY, [1], [1])
+    assert key == GraphKey(1, 16, 16, MIN_KV_BUCKET, "context") != GraphKey(1, 16, 16, MIN_KV_BUCKET)
+
+
+@given(st.integers(1, 512))
+def test_single_prompt_buckets_cover_every_one_request_prompt(length):
+    from specdec.graphs import prompt_graph_key, single_prompt_buckets
+
+    buckets = single_prompt_buckets(PROMPT_POLICY)
+    assert len({k for k, _ in buckets}) == len(buckets) == 6  # 16 .. 512 tokens
+    for key, n in buckets:  # each listed length falls in its own bucket
+        assert prompt_graph_key(PROMPT_POLICY, [n], [n])[0] == key
+    assert prompt_graph_key(PROMPT_POLICY, [length], [length])[0] in {k for k, _ in buckets}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the bucketing above is tested on the CPU)")
+class TestPromptGraphsOnGPU:
+    """Prompt-only steps replayed from graphs give the eager prompt step's tokens."""
+
+    @pytest.mark.parametrize("batch", [1, 3])
+    def test_equal_to_eager_prompt_steps(self, batch):
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        from step_profile import prompts, random_target
+
+        from specdec import EngineConfig, SamplingParams, SpecEngine
+
+        target = random_target("cuda", torch.float32, layers=3)
+        ids = prompts(2 * batch, 37, target.config.vocab_size)
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        runs = []
+        for prompt_graphs in (False, True):
+            engine = SpecEngine(target, None, EngineConfig(max_num_seqs=batch, prompt_graphs=prompt_graphs))
+            captured = engine.capture_graphs(max_kv_len=64, progress=False)
+            runs.append([o.token_ids for o in engine.generate(ids, params)])
+            reasons = engine.graph_stats["eager_reasons"]
+            if prompt_graphs:
+                assert captured > 0 and "a context phase in the step" not in reasons, reasons
+                assert engine.graph_stats["backends"].get("context:triton_gqa", 0) > 0
+        assert runs[1] == runs[0]
