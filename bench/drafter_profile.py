@@ -42,9 +42,7 @@ and ``.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import random
 import statistics
 import sys
@@ -56,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
+from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 from specdec.drafters.base import Draft  # noqa: E402
 from specdec.drafters.dflash import BlockDrafter  # noqa: E402
 from specdec.kvcache import KVCacheManager, KVPool  # noqa: E402
@@ -299,10 +297,8 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
             if args.profile and n == max(sizes):
                 profile(b, out, f"{name}_b{n}")
-    dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    head = (f"`python bench/drafter_profile.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, {dev_name}, "
-            f"torch {torch.__version__}, {dtype}, ctx ~{args.ctx}, page {args.tokens_per_block}, "
-            f"median of {args.calls} calls after {args.warmup} warm-up")
+    head = run_header(args.device, str(dtype), f"ctx ~{args.ctx}", f"page {args.tokens_per_block}",
+                      f"median of {args.calls} calls after {args.warmup} warm-up")
     md = [head, "", "| drafter | N | mean ctx | path | ms / propose (median) | p10 / p90 | vs old | drafts == old "
           "| on_contexts ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -326,10 +322,7 @@ def main() -> None:
         for r in engine:
             md.append(f"| {r['drafter']} | {r['path']} | {r['steps']} | {r['forward_ms']:.3f} | {r['draft_ms']:.3f} | "
                       f"{r['tokens_per_s']:.0f} | {r['mean_accepted']:.2f} | {r.get('outputs_equal_old', '-')} |")
-    text = "\n".join(md)
-    print(text)
-    (out / "drafter_profile.md").write_text(text + "\n")
-    (out / "drafter_profile.json").write_text(json.dumps(dict(header=head, results=results, engine=engine), indent=1, default=str))
+    write_results(out, "drafter_profile", "\n".join(md), dict(header=head, results=results, engine=engine))
     print(f"done in {time.perf_counter() - t0:.1f}s; wrote {out}/drafter_profile.md/.json")
 
 

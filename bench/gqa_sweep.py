@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
+from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from specdec.attention.backends import triton_gqa as G  # noqa: E402
 
@@ -66,7 +66,7 @@ def main() -> None:
         default = [r for r in results if (r["batch"], r["kv_len"], r["q_len"]) == (b, kv, ql)
                    and r["block_n"] == 64 and r["num_stages"] == 2 and r["min_split_tokens"] == 256]
         print(f"b={b} kv={kv} q={ql}: best {best}; default {default[0]['us'] if default else None:.2f} us", flush=True)
-    md = ["| batch | kv_len | q_len | default µs (64 keys, 2 stages, split >= 256) | best µs | block_n | stages | "
+    md = [run_header(dev, str(dt)), "", "| batch | kv_len | q_len | default µs (64 keys, 2 stages, split >= 256) | best µs | block_n | stages | "
           "min_split_tokens | splits |", "|---|---|---|---|---|---|---|---|---|"]
     for b, kv, ql in itertools.product((1, 32), (256, 1024), (1, 4)):
         rs = [r for r in results if (r["batch"], r["kv_len"], r["q_len"]) == (b, kv, ql)]

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import write_results  # noqa: E402
+from results_io import run_header, write_results  # noqa: E402
 from step_profile import prompts, random_target, sync  # noqa: E402
 
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
@@ -181,7 +181,9 @@ def main() -> None:
         rows.append(row)
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     keys = list(rows[0])
-    md = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    md = [run_header(args.device, args.dtype, "SmolLM2-135M shape with random weights", "null drafter",
+                     f"{new_tokens} new tokens"), "",
+          "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     md += ["| " + " | ".join(f"{r.get(k, 0):.1f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys)
            + " |" for r in rows]
     for name, text in profiles.items():

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
+from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from specdec.target import kernels as K  # noqa: E402
 
@@ -151,7 +151,7 @@ def main() -> None:
         results["layer"].append(row)
         print(json.dumps(row), flush=True)
 
-    md = ["| kernel | rows | best µs | config |", "|---|---|---|---|"]
+    md = [run_header(dev, str(dt)), "", "| kernel | rows | best µs | config |", "|---|---|---|---|"]
     md += [f"| {k.split('/')[0]} | {k.split('/')[1]} | {v['us']:.2f} | `{v['cfg']}` |" for k, v in results["best"].items()]
     md += ["", "| rows | old µs / layer | new µs / layer (best) | new µs / layer (defaults) |", "|---|---|---|---|"]
     md += [f"| {r['m']} | {r['old_us_per_layer']:.1f} | {r['new_us_per_layer']:.1f} | {r['new_default_us_per_layer']:.1f} |"

@@ -19,7 +19,6 @@ rate, draft tokens per step (the verify step's width). Writes markdown + JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
+from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from specdec.drafters import SuffixAutomatonDrafter  # noqa: E402
 from specdec.drafters.replay import replay  # noqa: E402
@@ -86,9 +85,8 @@ def main() -> None:
     rows.sort(key=lambda r: -r["mean_accepted_length"])
     default = next(r for r in rows if (r["max_draft_tokens"], r["match_len_factor"], r["min_token_prob"],
                                        r["min_match_len"], r["corpus"]) == (8, 1.0, 0.1, 1, False))
-    head = (f"`python bench/replay_study.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, "
-            f"{len(pairs)} responses, {sum(len(o) for _, o in pairs)} tokens"
-            + (f", corpus of {len(corpus)} responses" if corpus else ""))
+    head = run_header("cpu", f"{len(pairs)} responses", f"{sum(len(o) for _, o in pairs)} tokens",
+                      *([f"corpus of {len(corpus)} responses"] if corpus else []))
     md = [head, "", "| max_draft_tokens | match_len_factor | min_token_prob | min_match_len | corpus | "
           "mean accepted length | vs default | acceptance | draft tokens / step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in [default] + [r for r in rows if r is not default][:15]:

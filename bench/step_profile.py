@@ -24,9 +24,7 @@ dimensions, so it runs where the real checkpoint is not staged. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -36,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import write_results  # noqa: E402  (bench/, the script's own folder)
+from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
 from specdec.attention.selector import get_backend  # noqa: E402
@@ -194,10 +192,8 @@ def main() -> None:
             print(mode, json.dumps(profiles[f"{mode} eager b1"])[:600], flush=True)
     equal = {f"{m} b{b}": sum(x == y for x, y in zip(outputs[(modes[0], b)], outputs[(m, b)]))
              for m in modes[1:] for b in batches} if on_gpu else {}
-    dev = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
-    head = (f"`python bench/step_profile.py {' '.join(sys.argv[1:])}` — {dev}, {datetime.date.today()}, "
-            f"torch {torch.__version__}, {args.dtype}, SmolLM2-135M shape with random weights, prompts of "
-            f"{args.prompt_len}+ tokens, {args.new_tokens} new tokens (ignore_eos)")
+    head = run_header(args.device, args.dtype, "SmolLM2-135M shape with random weights",
+                      f"prompts of {args.prompt_len}+ tokens", f"{args.new_tokens} new tokens (ignore_eos)")
     md = [head, "", "| path | batch | replay µs | forward ms / step (launch µs + wait µs) | step ms (wall) | "
           "tokens/s | graph steps |", "|---|---|---|---|---|---|---|"]
     for r in rows:
