@@ -82,9 +82,8 @@ class SpecEngine:
                               f"max_draft_tokens={cfg.max_draft_tokens}")
         self._overlap = bool(cfg.overlap_steps) and not self._max_draft
         self.runner.copy_argmax_out = self._overlap
-        # a decode step launched ahead (its tokens still on the device) and the tokens it reserved per request
+        # a decode step launched ahead (its tokens still on the device); it holds one cache slot per request
         self._inflight: tuple[ScheduledBatch, StepResult] | None = None
-        self._ahead: dict[str, int] = {}
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._last_backends: dict[str, str] = {}
@@ -245,7 +244,7 @@ class SpecEngine:
         and launch the next one before waiting (see :meth:`_launch_ahead`)."""
         if self._inflight is not None:
             batch, result = self._inflight
-            self._inflight, self._ahead = None, {}
+            self._inflight = None
             batch, result = self._running_part(batch, result)
             if not batch:  # every request of it was aborted since
                 return []
@@ -405,7 +404,6 @@ class SpecEngine:
         step = StepInput([0] * n, positions, slots, [], gen, list(range(n)), True)
         self.timings["host_s"] += time.perf_counter() - t0
         ahead = self._launch(step, ids_from=result.argmax)
-        self._ahead = {seq.req_id: 1 for seq in seqs}
         self.timings["overlapped_steps"] += 1
         return ScheduledBatch(generation=list(seqs), budgets=[0] * n), ahead
 
@@ -424,7 +422,7 @@ class SpecEngine:
         """Wait for and drop the step launched ahead (its requests all ended)."""
         if self._inflight is not None:
             self.runner.finish(self._inflight[1])
-            self._inflight, self._ahead = None, {}
+            self._inflight = None
 
     def _verify(self, batch: ScheduledBatch, drafts: list[Draft], result: StepResult) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -451,6 +449,7 @@ class SpecEngine:
         outs, row, spans = [], 0, []
         all_drafts = [Draft()] * len(batch.context) + drafts
         num_ctx = len(batch.context)
+        ahead = {s.req_id for s in self._inflight[0].generation} if self._inflight is not None else set()
         for i, (seq, d, toks) in enumerate(zip(batch.context + batch.generation, all_drafts, emitted)):
             seq.stats.target_steps += 1
             if i >= num_ctx:  # a generation step: record what speculation bought
@@ -462,7 +461,7 @@ class SpecEngine:
             if seq.status is not Status.FINISHED:
                 seq.num_cached = len(seq.tokens) - 1
                 # keep the slot a step launched ahead writes
-                self.manager.truncate(seq.req_id, seq.num_cached + self._ahead.get(seq.req_id, 0))
+                self.manager.truncate(seq.req_id, seq.num_cached + (seq.req_id in ahead))
                 if hidden is not None:  # only accepted positions reach the drafter's context
                     spans.append((seq.req_id, old_cached, row, seq.num_cached - old_cached))
                 self.drafter.on_accepted(seq.req_id, new)
