@@ -13,6 +13,8 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
                      on CUDA transformers compiles the decode step; warmed up untimed)
   specdec-<name>     SpecEngine with drafter <name> (default: null and suffix)
   specdec-<name>-invariant   the same with batch_invariant=True (--invariant)
+  specdec-<name>+pg  the same with prompt_graphs=True (+nopg: False); its ratio and equality are
+                     taken to specdec-null+pg when the run has it
 
 Reports tokens/s, ratios to hf-greedy and to specdec-null, mean accepted
 length, the per-step time breakdown (target forward incl. the one device sync,
@@ -92,18 +94,22 @@ def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1
 
 
 def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engine_kw):
-    kind, _, variant = drafter_name.partition("+")
+    kind, *variants = drafter_name.split("+")
     kwargs = {"max_draft_tokens": args.k, **json.loads(args.suffix_kwargs)} if kind == "suffix" else {}
-    if variant == "corpus":  # e.g. responses to other prompts (a server's history)
-        if kind != "suffix" or not args.suffix_corpus:
-            raise SystemExit(f"{drafter_name}: '+corpus' needs the suffix drafter and --suffix-corpus FILE")
-        kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
-    elif variant == "overlap":  # the next decode step launched before this one's tokens reach the host
-        if kind != "null":
-            raise SystemExit(f"{drafter_name}: '+overlap' applies to the null drafter only")
-        engine_kw = {**engine_kw, "overlap_steps": True}
-    elif variant:
-        raise SystemExit(f"unknown drafter variant {drafter_name!r} (suffix+corpus, null+overlap)")
+    for variant in variants:
+        if variant == "corpus":  # e.g. responses to other prompts (a server's history)
+            if kind != "suffix" or not args.suffix_corpus:
+                raise SystemExit(f"{drafter_name}: '+corpus' needs the suffix drafter and --suffix-corpus FILE")
+            kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
+        elif variant == "overlap":  # the next decode step launched before this one's tokens reach the host
+            if kind != "null":
+                raise SystemExit(f"{drafter_name}: '+overlap' applies to the null drafter only")
+            engine_kw = {**engine_kw, "overlap_steps": True}
+        elif variant in ENGINE_VARIANTS:
+            engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
+        else:
+            raise SystemExit(f"unknown drafter variant {variant!r} in {drafter_name!r} "
+                             f"(corpus, overlap, {', '.join(ENGINE_VARIANTS)})")
     engine = SpecEngine(target, make_drafter(kind, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -140,8 +146,22 @@ def _tps(r: dict) -> float:
     return r["tokens"] / r["time_s"]
 
 
-def _null_of(label: str) -> str:
-    return "specdec-null-invariant" if label.endswith("-invariant") else "specdec-null"
+# engine settings a system name may add to its drafter ("suffix+corpus+pg"); such a system's ratio
+# is taken to the null drafter with the same settings ("specdec-null+pg") when the run has it
+ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False}}
+
+
+def _null_of(label: str, labels=()) -> str:
+    """The null system a system's ratio and output equality are taken to: the invariant null for
+    invariant systems, plain null for null's variants, the null with the same engine variants
+    where the run has it, else plain null."""
+    if label.endswith("-invariant"):
+        return "specdec-null-invariant"
+    if label.startswith("specdec-null"):  # a null variant is compared with plain null
+        return "specdec-null"
+    mine = [v for v in label.removeprefix("specdec-").split("+")[1:] if v in ENGINE_VARIANTS]
+    same = "+".join(["specdec-null", *mine])
+    return same if same in labels else "specdec-null"
 
 
 def median_run(runs: list[dict], nulls: list[dict] | None) -> dict:
@@ -179,7 +199,8 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
     ap.add_argument("--drafters", default="null,suffix",
                     help="comma-separated: null, null+overlap (overlap_steps=True), suffix, suffix+corpus (preloaded "
-                         "with --suffix-corpus), dflash, dspark")
+                         "with --suffix-corpus), dflash, dspark; '+pg' / '+nopg' add prompt_graphs=True / False "
+                         "to one system (e.g. null+pg,suffix+corpus+pg: ratios are then to null+pg)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,
@@ -251,7 +272,7 @@ def main() -> None:
                     print(f"{label} b{b} (round {rnd + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
                     rounds.setdefault(label, []).append(run_specdec(target, name, prompt_ids, args, b, **kw))
         for label, runs in rounds.items():
-            results[b][label] = median_run(runs, rounds.get(_null_of(label)))
+            results[b][label] = median_run(runs, rounds.get(_null_of(label, rounds)))
     machine = (f"{platform.machine()}, {torch.get_num_threads()} threads" if args.device == "cpu"
                else torch.cuda.get_device_name())
     head = (f"`python bench/e2e.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, {machine}, "
@@ -265,8 +286,6 @@ def main() -> None:
         res = results[b]
         base = res.get("hf-greedy")
         base_tps = base["tokens"] / base["time_s"] if base else None
-        null = res.get("specdec-null")
-        null_inv = res.get("specdec-null-invariant")
         text += [f"### batch {b}", "",
                  "| system | tokens/s | vs hf-greedy | vs specdec-null | mean accepted length | ms / step: forward"
                  " / draft / verify / host | floor µs / step | graph steps | outputs equal to null |",
@@ -274,7 +293,8 @@ def main() -> None:
         for name, r in res.items():
             tps = r["tokens"] / r["time_s"]
             ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
-            vs_null = f"{tps / (null['tokens'] / null['time_s']):.2f}x" if null and name.startswith("specdec") else "-"
+            ref = res.get(_null_of(name, res))
+            vs_null = f"{tps / (ref['tokens'] / ref['time_s']):.2f}x" if ref and name.startswith("specdec") else "-"
             if len(r.get("tokens_per_s_rounds", ())) > 1:  # median of rounds, then the range
                 rounds = r["tokens_per_s_rounds"]
                 tps_text = f"{tps:.1f} ({min(rounds):.0f}–{max(rounds):.0f})"
@@ -292,7 +312,6 @@ def main() -> None:
                 graphs = f"{g['graph_steps']}/{g['graph_steps'] + g['eager_steps']}"
             else:
                 brk = floor = graphs = "-"
-            ref = null_inv if name.endswith("-invariant") else null
             same = (f"{sum(a == c for a, c in zip(r['outputs'], ref['outputs']))}/{len(ref['outputs'])}"
                     if ref and name.startswith("specdec") else "-")
             text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
