@@ -13,6 +13,9 @@
 #   bash bench/device_gpu.sh host      # host time per step and the PDL levels, in turn (random weights)
 #   bash bench/device_gpu.sh prompts   # prompt steps from graphs against eager ones (tuned suffix drafter, batch 1)
 #   bash bench/device_gpu.sh overlap   # overlapped decode steps against plain ones (host profile, then end to end)
+#   bash bench/device_gpu.sh newtests  # only the GPU tests of overlapped steps, prompt graphs, PDL and the real model
+#   bash bench/device_gpu.sh pgoverlap # batch 1, tuned suffix drafter: prompt graphs and overlapped steps on and off,
+#                                      # in one run (REPEAT rounds, default 2)
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -25,6 +28,15 @@ for part in "$@"; do
         -p no:cacheprovider -rs -o addopts= 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
       timeout 200 python -m pytest tests/test_triton_mla.py -m gpu -p no:cacheprovider -rs -x \
         2>&1 | tail -15 | tee "$OUT/gpu_tests_mla.txt" ;;
+    newtests)
+      timeout 260 python -m pytest tests/test_overlap.py tests/test_cuda_graphs.py tests/test_pdl.py \
+        -k "GPU" -p no:cacheprovider -rs -o addopts= 2>&1 | tail -25 | tee "$OUT/gpu_tests_new.txt" ;;
+    pgoverlap)
+      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1 --repeat "${REPEAT:-2}" --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
+        --drafters null,null+pg,null+overlap,null+overlap+pg,suffix+corpus,suffix+corpus+pg \
+        --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_pgoverlap" 2>&1 \
+        | grep "^|" ;;
     realtests)  # the real model on the GPU only (strict lossless in fp32, bf16 batch-invariant)
       timeout 300 python -m pytest tests/test_cuda_graphs.py -k TestSmolLM2OnGPU -p no:cacheprovider -rs -o addopts= \
         2>&1 | tail -8 | tee "$OUT/gpu_tests_real.txt" ;;
