@@ -256,6 +256,65 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - "static cache where it works": say why not
                     print(f"hf-static b{b} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         del model
+
+    def report(done: bool) -> str:
+        """The tables so far (every system that has finished a round; ``done``: all of them)."""
+        machine = (f"{platform.machine()}, {torch.get_num_threads()} threads" if args.device == "cpu"
+                   else torch.cuda.get_device_name())
+        head = (f"`python bench/e2e.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, {machine}, "
+                f"torch {torch.__version__}, SmolLM2-135M {args.dtype}, HumanEval {args.problems}"
+                f"{f' (HF at batch 1: {args.hf_problems})' if args.hf_problems else ''}, "
+                f"{args.max_new_tokens} new tokens, greedy"
+                + (f"; specdec systems run {args.repeat} times round-robin: tokens/s is the median run (range), "
+                   "vs specdec-null the median of the per-round ratios (range)" if args.repeat > 1 else ""))
+        text = [head, ""]
+        for b in batch_sizes:
+            res = results[b]
+            base = res.get("hf-greedy")
+            base_tps = base["tokens"] / base["time_s"] if base else None
+            text += [f"### batch {b}", "",
+                     "| system | tokens/s | vs hf-greedy | vs specdec-null | mean accepted length | ms / step: forward"
+                     " / draft / verify / host | floor µs / step | graph steps | outputs equal to null |",
+                     "|---|---|---|---|---|---|---|---|---|"]
+            for name, r in res.items():
+                tps = r["tokens"] / r["time_s"]
+                ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
+                ref = res.get(_null_of(name, res))
+                vs_null = f"{tps / (ref['tokens'] / ref['time_s']):.2f}x" if ref and name.startswith("specdec") else "-"
+                if len(r.get("tokens_per_s_rounds", ())) > 1:  # median of rounds, then the range
+                    rounds = r["tokens_per_s_rounds"]
+                    tps_text = f"{tps:.1f} ({min(rounds):.0f}–{max(rounds):.0f})"
+                    if "vs_null_median" in r:
+                        vs = r["vs_null_rounds"]
+                        vs_null = f"{r['vs_null_median']:.2f}x ({vs[0]:.2f}–{vs[-1]:.2f})"
+                else:
+                    tps_text = f"{tps:.1f}"
+                mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+                if "per_step_ms" in r:
+                    p = r["per_step_ms"]
+                    brk = f"{p['forward']:.3f} / {p['draft']:.3f} / {p['verify']:.3f} / {p['host']:.3f}"
+                    floor = f"{step_floor_us(target, b, r['mean_context']):.0f}"
+                    g = r["graphs"]
+                    graphs = f"{g['graph_steps']}/{g['graph_steps'] + g['eager_steps']}"
+                else:
+                    brk = floor = graphs = "-"
+                same = (f"{sum(a == c for a, c in zip(r['outputs'], ref['outputs']))}/{len(ref['outputs'])}"
+                        if ref and name.startswith("specdec") else "-")
+                text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
+            text.append("")
+        return "\n".join(text) + "\n" + ("" if done else "\n(incomplete: the run was still going)\n")
+
+    def save(done: bool) -> str:
+        """Write the tables so far to --out (after every round: a run cut short keeps what it measured)."""
+        table = report(done)
+        if args.out:
+            Path(args.out + ".md").write_text(table)
+            Path(args.out + ".json").write_text(json.dumps(
+                {str(b): {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in res.items()}
+                 for b, res in results.items()}, indent=2, default=str))
+        return table
+
+    save(done=False)  # HF's figures, before the specdec systems
     engine_kw = {"cuda_graphs": False} if args.no_graphs else {}
     if args.prompt_graphs:
         engine_kw["prompt_graphs"] = True
@@ -271,58 +330,10 @@ def main() -> None:
                 for label, kw in systems:
                     print(f"{label} b{b} (round {rnd + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
                     rounds.setdefault(label, []).append(run_specdec(target, name, prompt_ids, args, b, **kw))
-        for label, runs in rounds.items():
-            results[b][label] = median_run(runs, rounds.get(_null_of(label, rounds)))
-    machine = (f"{platform.machine()}, {torch.get_num_threads()} threads" if args.device == "cpu"
-               else torch.cuda.get_device_name())
-    head = (f"`python bench/e2e.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, {machine}, "
-            f"torch {torch.__version__}, SmolLM2-135M {args.dtype}, HumanEval {args.problems}"
-            f"{f' (HF at batch 1: {args.hf_problems})' if args.hf_problems else ''}, "
-            f"{args.max_new_tokens} new tokens, greedy"
-            + (f"; specdec systems run {args.repeat} times round-robin: tokens/s is the median run (range), "
-               "vs specdec-null the median of the per-round ratios (range)" if args.repeat > 1 else ""))
-    text = [head, ""]
-    for b in batch_sizes:
-        res = results[b]
-        base = res.get("hf-greedy")
-        base_tps = base["tokens"] / base["time_s"] if base else None
-        text += [f"### batch {b}", "",
-                 "| system | tokens/s | vs hf-greedy | vs specdec-null | mean accepted length | ms / step: forward"
-                 " / draft / verify / host | floor µs / step | graph steps | outputs equal to null |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for name, r in res.items():
-            tps = r["tokens"] / r["time_s"]
-            ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
-            ref = res.get(_null_of(name, res))
-            vs_null = f"{tps / (ref['tokens'] / ref['time_s']):.2f}x" if ref and name.startswith("specdec") else "-"
-            if len(r.get("tokens_per_s_rounds", ())) > 1:  # median of rounds, then the range
-                rounds = r["tokens_per_s_rounds"]
-                tps_text = f"{tps:.1f} ({min(rounds):.0f}–{max(rounds):.0f})"
-                if "vs_null_median" in r:
-                    vs = r["vs_null_rounds"]
-                    vs_null = f"{r['vs_null_median']:.2f}x ({vs[0]:.2f}–{vs[-1]:.2f})"
-            else:
-                tps_text = f"{tps:.1f}"
-            mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
-            if "per_step_ms" in r:
-                p = r["per_step_ms"]
-                brk = f"{p['forward']:.3f} / {p['draft']:.3f} / {p['verify']:.3f} / {p['host']:.3f}"
-                floor = f"{step_floor_us(target, b, r['mean_context']):.0f}"
-                g = r["graphs"]
-                graphs = f"{g['graph_steps']}/{g['graph_steps'] + g['eager_steps']}"
-            else:
-                brk = floor = graphs = "-"
-            same = (f"{sum(a == c for a, c in zip(r['outputs'], ref['outputs']))}/{len(ref['outputs'])}"
-                    if ref and name.startswith("specdec") else "-")
-            text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
-        text.append("")
-    table = "\n".join(text) + "\n"
-    print(table)
-    if args.out:
-        Path(args.out + ".md").write_text(table)
-        Path(args.out + ".json").write_text(json.dumps(
-            {str(b): {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in res.items()}
-             for b, res in results.items()}, indent=2, default=str))
+            for label, runs in rounds.items():  # after every round: the median of the rounds so far
+                results[b][label] = median_run(runs, rounds.get(_null_of(label, rounds)))
+            save(done=False)
+    print(save(done=True))
 
 
 if __name__ == "__main__":
