@@ -30,7 +30,8 @@ for part in "$@"; do
         2>&1 | tail -15 | tee "$OUT/gpu_tests_mla.txt" ;;
     newtests)
       timeout 260 python -m pytest tests/test_overlap.py tests/test_cuda_graphs.py tests/test_pdl.py \
-        -k "GPU" -p no:cacheprovider -rs -o addopts= 2>&1 | tail -25 | tee "$OUT/gpu_tests_new.txt" ;;
+        -k "GPU" -p no:cacheprovider -rA -o addopts= > "$OUT/gpu_tests_new.txt" 2>&1
+      grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" "$OUT/gpu_tests_new.txt" | head -40 ;;
     pgoverlap)
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1 --repeat "${REPEAT:-2}" --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
