@@ -14,6 +14,7 @@ host inputs reach the device in two non-blocking copies from pinned buffers.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
 from specdec.attention.selector import select
+from specdec.capture import capture
 from specdec.graphs import GraphKey, GraphPolicy, graph_key, pad_step_into, prompt_graph_key, split_chunk
 
 
@@ -240,6 +242,8 @@ class ModelRunner:
         buckets += [(k, [n]) for k, n in single_prompt_buckets(self.policy, max_kv_len)]
         buckets = [(k, q) for k, q in buckets if k not in self._graphs]
         page = self.scratch_slot // self.tpb
+        if buckets:
+            gc.collect()  # once here; each capture below then only holds the collector off
         for done, (key, q_lens) in enumerate(buckets, 1):
             kv = key.max_kv_len if key.phase == "generation" else max(q_lens)
             table = (page,) * -(-kv // self.tpb)
@@ -252,7 +256,7 @@ class ModelRunner:
             backend, why = self._graph_backend(key)
             if why:
                 return done - 1
-            self._capture(key, backend, step)
+            self._capture(key, backend, step, collect=False)
             if progress is not None:
                 progress(done, len(buckets))
         return len(buckets)
@@ -321,8 +325,11 @@ class ModelRunner:
             n = len(step.input_ids)
             g.tokens_dev[0, :n].copy_(ids_from[:n])
 
-    def _capture(self, key: GraphKey, backend, step: StepInput, ids_from: torch.Tensor | None = None) -> _Captured:
-        """Capture the bucket's graph. Its warm-up runs ``step`` for real (same writes, same result)."""
+    def _capture(self, key: GraphKey, backend, step: StepInput, ids_from: torch.Tensor | None = None,
+                 collect: bool = True) -> _Captured:
+        """Capture the bucket's graph. Its warm-up runs ``step`` for real (same writes, same result).
+
+        ``collect``: collect Python's garbage first (:func:`specdec.capture.capture`)."""
         t0 = time.perf_counter()
         dev = self.target.device
         width = self.meta_width
@@ -356,7 +363,7 @@ class ModelRunner:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         g.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g.graph, pool=self._mempool):
+        with torch.inference_mode(), capture(g.graph, self._mempool, collect=collect):
             g.outputs = forward()
         g.graph.replay()  # the step's result, from the graph itself
         self._graphs[key] = g

@@ -29,6 +29,7 @@ from typing import ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
+from specdec.capture import capture
 from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, register_drafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, RopeTable, block_mask, output_slots
 from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
@@ -310,7 +311,7 @@ class BlockDrafter(Drafter):
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self._mempool):
+        with capture(g.graph, self._mempool):
             g.tokens = self._draft(g.dev, cols, width)
         g.graph.replay()
         self._graphs[key] = g
