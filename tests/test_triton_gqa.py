@@ -642,3 +642,37 @@ def test_pack_meta_into_refuses_what_pack_meta_refuses():
         pack_meta_into(buf, [1], [40], [tuple(range(10))], 4)
     with pytest.raises(ConfigError, match="more than the buffer's 2 rows"):
         pack_meta_into(buf, [1, 1, 1], [4, 4, 4], [(0,)] * 3, 4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("q_len", "kv_len"), [(20, 200), (300, 300)])
+def test_eager_prompt_step_equals_its_prompt_graph(dtype, q_len, kv_len):
+    """An eager prompt step (``plan``) and the prompt graph bucket holding it (``graph_plan`` at the
+    bucket's tokens, prompt length and context, ``graphs.split_chunk`` offsets) give every row the
+    same bits, so turning ``prompt_graphs`` on changes no output.
+
+    20 new tokens (after 180 cached) x group 3 = 60 rows, the bucket's 32 tokens 96: the tiles follow
+    the prompt length rounded up to a power of two (chosen on the rows alone, their key tiles differ).
+    300 keys: the eager step splits them at the graph's fixed offsets (balanced splits differ)."""
+    from specdec.attention.backends.base import PhaseBatch
+    from specdec.graphs import GraphPolicy, prompt_graph_key, split_chunk
+
+    h, hkv, d, tpb = 9, 3, 64, 16
+    step = make_step([(q_len, kv_len)], [], h=h, hkv=hkv, d=d, tpb=tpb, dtype=dtype, seed=q_len)
+    kc, vc = _cache_after_writes(step)
+    table, backend = step["context"][0][2], TritonGQABackend()
+    eager = backend.run(backend.plan(PhaseBatch((q_len,), (kv_len,), (table,), tpb, step["q"].device)),
+                        step["q"], kc, vc, d ** -0.5, d)
+
+    key, why = prompt_graph_key(GraphPolicy(4, 3, 4096, prompt_graphs=True), [q_len], [kv_len])
+    assert not why and key.max_q_len > q_len
+    width = 3 + -(-key.max_kv_len // tpb)
+    meta = torch.tensor(backend.pack_meta([q_len], [kv_len], [table], tpb, width), dtype=torch.int32,
+                        device=step["q"].device)
+    meta = torch.cat([meta, torch.zeros(key.num_seqs - 1, width, dtype=torch.int32, device=meta.device)])
+    plan = backend.graph_plan(meta, key.num_tokens, key.max_q_len, key.max_kv_len, tpb,
+                              split_chunk=split_chunk(key.max_kv_len))
+    q = torch.cat([step["q"], torch.randn(key.num_tokens - q_len, h, d).to(step["q"])])  # padding tokens
+    graph = backend.run(plan, q, kc, vc, d ** -0.5, d)[:q_len]
+    assert torch.equal(eager, graph)

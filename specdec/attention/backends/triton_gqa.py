@@ -42,12 +42,18 @@ from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.errors import ConfigError
+from specdec.graphs import split_chunk
 from specdec.pdl import pdl_enter, pdl_level
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 MAX_TOKENS_PER_BLOCK = 256  # EngineConfig's largest page
 MIN_SM = 80  # bf16 tensor-core dots
+# Eager phases of at most this many tokens split the KV at the fixed offsets graph steps use
+# (graphs.split_chunk), so a row gets the same bits whether its step ran eagerly or from a graph
+# (prompt graphs, mixed steps). Above it the splits stay balanced: the fixed ones' partial
+# outputs (tokens x heads x splits x v_dim fp32) would grow with the step.
+FIXED_SPLIT_MAX_TOKENS = 512
 
 
 @triton.jit
@@ -338,6 +344,10 @@ class TritonGQABackend(AttentionBackend):
     def plan(self, batch: PhaseBatch) -> TritonGQAPlan:
         """Pack the phase's requests into one int32 device tensor.
 
+        A phase of at most :data:`FIXED_SPLIT_MAX_TOKENS` tokens splits its KV at the fixed
+        offsets of graph steps (:func:`specdec.graphs.split_chunk`); a larger one in balanced
+        splits sized for the occupancy.
+
         Raises:
             ConfigError: a request has ``kv_len < q_len`` or a page table too short for its ``kv_len``.
         """
@@ -347,6 +357,8 @@ class TritonGQABackend(AttentionBackend):
         pack_meta_into(rows, batch.q_lens, batch.kv_lens, batch.page_tables, tpb)
         q_start = batch.num_tokens
         meta = torch.from_numpy(rows).to(batch.device)
+        max_kv = max(batch.kv_lens)
+        chunk = split_chunk(max_kv) if q_start <= FIXED_SPLIT_MAX_TOKENS else 0
         return TritonGQAPlan(
             meta=meta,
             kv_lens=meta[:, 0],
@@ -356,9 +368,11 @@ class TritonGQABackend(AttentionBackend):
             num_seqs=len(rows),
             num_tokens=q_start,
             max_q_len=max(batch.q_lens),
-            max_kv_len=max(batch.kv_lens),
+            max_kv_len=max_kv,
             tokens_per_block=tpb,
             num_sms=self._sm_count(batch.device),
+            num_splits=-(-max_kv // chunk) if chunk else None,
+            split_chunk=chunk,
         )
 
     def graph_plan(self, meta: torch.Tensor, num_tokens: int, max_q_len: int, max_kv_len: int,
@@ -410,7 +424,10 @@ class TritonGQABackend(AttentionBackend):
         pdl = self._pdl(q.device)
         group = num_heads // num_kv_heads
         block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
-        block_m, block_n = _tile_sizes(q.dtype == torch.float32, max(block_d, block_dv), plan.max_q_len * group)
+        # tiles from max_q_len rounded up to a power of two, as prompt graph buckets round it: an eager
+        # prompt step and its graph then run the same tiles (decode and verify rows, <= 64, already do)
+        block_m, block_n = _tile_sizes(q.dtype == torch.float32, max(block_d, block_dv),
+                                       triton.next_power_of_2(plan.max_q_len) * group)
         if self.key_tile and q.dtype != torch.float32:
             block_n = self.key_tile
         m_blocks = -(-plan.max_q_len * group // block_m)
