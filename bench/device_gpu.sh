@@ -11,8 +11,8 @@
 #   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts (k = 15: 16-token verify rows), without
 #                                      # and with a dev-split corpus, batch 1 and 8, REPEAT (3) rounds
 #   bash bench/device_gpu.sh host      # host time per step and the PDL levels, in turn (random weights)
-#   bash bench/device_gpu.sh prompts   # prompt steps from graphs against eager ones (tuned suffix drafter, batch 1)
-#   bash bench/device_gpu.sh overlap   # overlapped decode steps against plain ones (host profile, then end to end)
+#   bash bench/device_gpu.sh prompts   # prompt steps from graphs (default) against eager ones (tuned suffix drafter, batch 1)
+#   bash bench/device_gpu.sh overlap   # overlapped decode steps (default for null) against plain ones (host profile, e2e)
 #   bash bench/device_gpu.sh newtests  # only the GPU tests of overlapped steps, prompt graphs, PDL and the real model
 #   bash bench/device_gpu.sh pgoverlap # batch 1, tuned suffix drafter: prompt graphs and overlapped steps on and off,
 #                                      # in one run (REPEAT rounds, default 2)
@@ -35,7 +35,7 @@ for part in "$@"; do
     pgoverlap)
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1 --repeat "${REPEAT:-2}" --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
-        --drafters null,null+pg,null+overlap,null+overlap+pg,suffix+corpus,suffix+corpus+pg \
+        --drafters null+nooverlap+nopg,null+nooverlap,null+nopg,null,suffix+corpus+nopg,suffix+corpus \
         --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_pgoverlap" 2>&1 \
         | grep "^|" ;;
     realtests)  # the real model on the GPU only (strict lossless in fp32, bf16 batch-invariant)
@@ -65,14 +65,12 @@ for part in "$@"; do
       timeout 150 python bench/host_profile.py --device cuda --overlap 0,1,0,1 --batch-sizes 1,32 --new-tokens 128 \
         --out "$OUT/host_overlap" 2>&1 | grep "^|" | head -10
       timeout 400 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --repeat 2 --drafters null,null+overlap --skip-hf --out "$OUT/e2e_overlap" 2>&1 | tail -20 ;;
-    prompts)  # prompt steps replayed from graphs (EngineConfig.prompt_graphs) beside eager ones, batch 1
-      for pg in "" "--prompt-graphs"; do
-        timeout 280 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-          --batch-sizes 1 --repeat 2 --drafters null,suffix+corpus --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
-          --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf $pg \
-          --out "$OUT/e2e_prompts${pg:+_graphs}" 2>&1 | grep "^|"
-      done ;;
+        --batch-sizes 1,8,32 --repeat 2 --drafters null+nooverlap,null --skip-hf --out "$OUT/e2e_overlap" 2>&1 | tail -20 ;;
+    prompts)  # prompt steps replayed from graphs (the default) beside eager ones, batch 1, one run
+      timeout 280 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1 --repeat 2 --drafters null,null+nopg,suffix+corpus,suffix+corpus+nopg --k 15 \
+        --suffix-kwargs '{"match_len_factor": 16}' --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json \
+        --skip-hf --out "$OUT/e2e_prompts" 2>&1 | grep "^|" ;;
     host)
       timeout 120 python bench/host_profile.py --device cuda --pdl 2,1,0,2,1 --batch-sizes 1 --new-tokens 128 \
         --out "$OUT/host" 2>&1 | grep "^|" | head -8

@@ -13,8 +13,10 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
                      on CUDA transformers compiles the decode step; warmed up untimed)
   specdec-<name>     SpecEngine with drafter <name> (default: null and suffix)
   specdec-<name>-invariant   the same with batch_invariant=True (--invariant)
-  specdec-<name>+pg  the same with prompt_graphs=True (+nopg: False); its ratio and equality are
-                     taken to specdec-null+pg when the run has it
+  specdec-<name>+nopg  the same with prompt_graphs=False (+pg: True, the default), +nooverlap with
+                     overlap_steps=False (+overlap: True; the default is on for null on CUDA); its
+                     ratio and equality are taken to specdec-null with the same suffixes when the
+                     run has it
 
 Reports tokens/s, ratios to hf-greedy and to specdec-null, mean accepted
 length, the per-step time breakdown (target forward incl. the one device sync,
@@ -101,10 +103,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             if kind != "suffix" or not args.suffix_corpus:
                 raise SystemExit(f"{drafter_name}: '+corpus' needs the suffix drafter and --suffix-corpus FILE")
             kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
-        elif variant == "overlap":  # the next decode step launched before this one's tokens reach the host
-            if kind != "null":
-                raise SystemExit(f"{drafter_name}: '+overlap' applies to the null drafter only")
-            engine_kw = {**engine_kw, "overlap_steps": True}
+        elif variant == "overlap" and kind != "null":
+            raise SystemExit(f"{drafter_name}: '+overlap' applies to the null drafter only")
         elif variant in ENGINE_VARIANTS:
             engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
         else:
@@ -146,9 +146,11 @@ def _tps(r: dict) -> float:
     return r["tokens"] / r["time_s"]
 
 
-# engine settings a system name may add to its drafter ("suffix+corpus+pg"); such a system's ratio
-# is taken to the null drafter with the same settings ("specdec-null+pg") when the run has it
-ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False}}
+# engine settings a system name may add to its drafter ("suffix+corpus+nopg"); such a system's ratio
+# is taken to the null drafter with the same settings ("specdec-null+nopg") when the run has it.
+# The defaults: prompt graphs on, overlapped decode steps on for the null drafter on CUDA.
+ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False},
+                   "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False}}
 
 
 def _null_of(label: str, labels=()) -> str:
@@ -198,9 +200,10 @@ def main() -> None:
                     help="comma-separated batch sizes, e.g. 1,8,32")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
     ap.add_argument("--drafters", default="null,suffix",
-                    help="comma-separated: null, null+overlap (overlap_steps=True), suffix, suffix+corpus (preloaded "
-                         "with --suffix-corpus), dflash, dspark; '+pg' / '+nopg' add prompt_graphs=True / False "
-                         "to one system (e.g. null+pg,suffix+corpus+pg: ratios are then to null+pg)")
+                    help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, "
+                         "dspark; '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
+                         "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
+                         "to null+nopg)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,
@@ -211,7 +214,6 @@ def main() -> None:
                     help="run every specdec system this many times, round-robin; report the median run and the "
                          "median of the per-round ratios to specdec-null (host noise on shared machines)")
     ap.add_argument("--no-graphs", action="store_true", help="cuda_graphs=False")
-    ap.add_argument("--prompt-graphs", action="store_true", help="prompt_graphs=True (prompt steps replay graphs)")
     ap.add_argument("--no-precapture", action="store_true",
                     help="capture graph buckets on demand (inside timed steps) instead of before the run")
     ap.add_argument("--skip-hf", action="store_true")
@@ -316,8 +318,6 @@ def main() -> None:
 
     save(done=False)  # HF's figures, before the specdec systems
     engine_kw = {"cuda_graphs": False} if args.no_graphs else {}
-    if args.prompt_graphs:
-        engine_kw["prompt_graphs"] = True
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     for b in batch_sizes:

@@ -78,11 +78,13 @@ class EngineConfig:
             decode step before the current one's tokens reach the host: its input tokens are
             copied on the device, so the host's work between steps overlaps the GPU. Outputs
             are unchanged (a request that ends at a step drops the next step's token); a request
-            added meanwhile is admitted one step later. Off by default until measured on the
-            GPU; on the CPU it runs the same logic without overlapping anything.
+            added meanwhile is admitted one step later. ``None`` (default): on where it helps,
+            with the null drafter on CUDA (H200, SmolLM2: 1.12x tokens/s at batch 1, 1.35x at
+            32); ``True``: required (an error with a drafter that drafts); ``False``: off.
         prompt_graphs: prompt-only steps of at most 512 tokens replay CUDA graphs too
             (bucketed like generation steps; the logits of each request's last token), instead
-            of launching some 150 kernels from Python. Off by default until tested on the GPU.
+            of launching some 150 kernels from Python (H200, SmolLM2, batch 1: 1.10x tokens/s
+            with the null drafter, 1.20x with the suffix drafter). ``False``: eager prompt steps.
     """
 
     max_draft_tokens: int = 8
@@ -97,8 +99,8 @@ class EngineConfig:
     kv_scale: float = 1.0
     cuda_graphs: bool = True
     batch_invariant: bool = False
-    overlap_steps: bool = False
-    prompt_graphs: bool = False
+    overlap_steps: bool | None = None
+    prompt_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
@@ -117,9 +119,11 @@ class EngineConfig:
         if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
             raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
                               f"must be 1.0, got {self.kv_scale!r}")
-        for name in ("cuda_graphs", "batch_invariant", "overlap_steps", "prompt_graphs"):
+        for name in ("cuda_graphs", "batch_invariant", "prompt_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):
+            raise ConfigError(f"overlap_steps must be True, False or None (where it helps), got {self.overlap_steps!r}")
         if self.batch_invariant and not self.cuda_graphs:
             raise ConfigError("batch_invariant=True needs cuda_graphs=True (the invariant step is a graph bucket)")
 

@@ -80,7 +80,9 @@ class SpecEngine:
             raise ConfigError("overlap_steps=True needs a drafter that never drafts (the null drafter or "
                               f"max_draft_tokens=0); got {type(self.drafter).__name__} with "
                               f"max_draft_tokens={cfg.max_draft_tokens}")
-        self._overlap = bool(cfg.overlap_steps) and not self._max_draft
+        # None: where it helps, the null drafter on CUDA (on the CPU a forward runs synchronously anyway)
+        auto = cfg.overlap_steps is None and self.target.device.type == "cuda"
+        self._overlap = bool(cfg.overlap_steps or auto) and not self._max_draft
         self.runner.copy_argmax_out = self._overlap
         # a decode step launched ahead (its tokens still on the device); it holds one cache slot per request
         self._inflight: tuple[ScheduledBatch, StepResult] | None = None

@@ -28,13 +28,17 @@ def _pair(target, **kw):
 
 
 def test_config_is_checked(tiny):
-    with pytest.raises(ConfigError, match="overlap_steps must be True or False"):
+    with pytest.raises(ConfigError, match="overlap_steps must be True, False or None"):
         EngineConfig(overlap_steps="yes")
     with pytest.raises(ConfigError, match="never drafts"):
         SpecEngine(tiny, SuffixAutomatonDrafter(), EngineConfig(overlap_steps=True))
     # a drafter with max_draft_tokens=0 never drafts: allowed
     SpecEngine(tiny, SuffixAutomatonDrafter(), EngineConfig(overlap_steps=True, max_draft_tokens=0))
-    assert SpecEngine(tiny, None)._overlap is False  # off by default
+    # default (None): on where it helps, the null drafter on CUDA; so off here on the CPU, and off
+    # (not an error) with a drafter that drafts
+    assert EngineConfig().overlap_steps is None
+    assert SpecEngine(tiny, None)._overlap is False
+    assert SpecEngine(tiny, SuffixAutomatonDrafter())._overlap is False
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 8])
@@ -143,6 +147,7 @@ class TestOnGPU:
         ids = prompts(batch + 1, 30, target.config.vocab_size)
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 7, 33, 12, 25)[: batch + 1]]
         plain, overlap = _pair(target, max_num_seqs=batch)
+        assert SpecEngine(target, None, EngineConfig(max_num_seqs=batch))._overlap  # the default on CUDA
         assert _outputs(overlap, ids, params) == _outputs(plain, ids, params)
         assert overlap.timings["overlapped_steps"] > 0 and overlap.graph_stats["graph_steps"] > 0
         scratch = int(overlap.runner.scratch_slot is not None)  # graphs hold one scratch page for padding
