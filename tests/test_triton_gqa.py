@@ -357,8 +357,9 @@ def test_decode_and_verify_rows_agree_bit_for_bit(dtype, q_len):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_buckets_give_a_row_the_same_bits(dtype):
     """A request's decode row in graph buckets of 512, 1,024 and 4,096 keys (the split count follows
-    the bucket, the split offsets do not: graphs.split_chunk) and in a 9-token verify step: the same
-    bits, so the other requests of a step cannot change a row (batch 8 and 32 outputs equal null's).
+    the bucket, the split offsets do not: graphs.split_chunk), in an eager step and in a 9-token verify
+    step: the same bits, so the other requests of a step cannot change a row (batch 8 and 32 outputs
+    equal null's), nor can running it eagerly.
     With balanced splits (``split_chunk=0``) this fails."""
     from specdec.graphs import split_chunk
 
@@ -375,6 +376,9 @@ def test_graph_buckets_give_a_row_the_same_bits(dtype):
     for j in (0, 4, 8):
         for bucket in (512, 1024, 4096):
             assert torch.equal(run(1, 292 + j, step["q"][j:j + 1], bucket)[0], verify[j]), (j, bucket)
+        # an eager step (a mixed step's generation phase, graphs off) splits at the same offsets
+        plan = backend.plan(PhaseBatch((1,), (292 + j,), (table,), 16, step["q"].device))
+        assert torch.equal(backend.run(plan, step["q"][j:j + 1], kc, vc, 64 ** -0.5, 64)[0], verify[j]), j
 
 
 @needs_kernels
@@ -655,7 +659,6 @@ def test_eager_prompt_step_equals_its_prompt_graph(dtype, q_len, kv_len):
     20 new tokens (after 180 cached) x group 3 = 60 rows, the bucket's 32 tokens 96: the tiles follow
     the prompt length rounded up to a power of two (chosen on the rows alone, their key tiles differ).
     300 keys: the eager step splits them at the graph's fixed offsets (balanced splits differ)."""
-    from specdec.attention.backends.base import PhaseBatch
     from specdec.graphs import GraphPolicy, prompt_graph_key, split_chunk
 
     h, hkv, d, tpb = 9, 3, 64, 16
