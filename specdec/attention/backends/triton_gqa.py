@@ -270,8 +270,10 @@ class TritonGQABackend(AttentionBackend):
     """Paged GQA attention (decode, verify, mixed, context) in Triton.
 
     Args:
-        max_splits: most KV splits per (request, KV head).
-        min_split_tokens: fewest KV tokens per split; below it a context is not split.
+        max_splits: most balanced KV splits per (request, KV head).
+        min_split_tokens: fewest KV tokens per balanced split; below it a context is not split.
+            (Graph steps and eager phases of at most :data:`FIXED_SPLIT_MAX_TOKENS` tokens split at
+            fixed offsets instead, :func:`specdec.graphs.split_chunk`: up to 16 splits.)
         key_tile: keys per tile of 16-bit runs (a power of two >= 16), instead of :func:`_tile_sizes`'
             choice (``bench/gqa_sweep.py``).
         num_stages: software-pipeline depth of the attention kernel.
