@@ -74,7 +74,7 @@ for part in "$@"; do
     host)
       timeout 120 python bench/host_profile.py --device cuda --pdl 2,1,0,2,1 --batch-sizes 1 --new-tokens 128 \
         --out "$OUT/host" 2>&1 | grep "^|" | head -8
-      timeout 120 python bench/host_profile.py --device cuda --batch-sizes 1,32 --cprofile --out "$OUT/host_cprofile" \
+      timeout 120 python bench/host_profile.py --device cuda --batch-sizes 1,32 --cprofile --eager-prompts --out "$OUT/host_cprofile" \
         2>&1 | grep "^|" | head -4 ;;
     mla)
       timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \

@@ -16,7 +16,9 @@ the same run:
 - with ``--cprofile``, cProfile's top functions by own time over the generation, and
   over its eager (prompt) steps alone;
 - with ``--pdl 2,0,1,2``, each programmatic-dependent-launch level in turn;
-- with ``--overlap 0,1``, plain and overlapped decode steps (``EngineConfig.overlap_steps``).
+- with ``--overlap 0,1``, plain and overlapped decode steps (``EngineConfig.overlap_steps``);
+- with ``--eager-prompts``, prompt steps run eagerly (``prompt_graphs=False``), as before they
+  replayed graphs by default.
 
 Writes ``host_profile.md`` and ``.json`` under ``--out``.
 """
@@ -123,6 +125,9 @@ def main() -> None:
                          "default: the device's level only")
     ap.add_argument("--overlap", default="0", help="comma-separated overlap_steps settings to run (e.g. 0,1)")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile each generation (top 25 functions)")
+    ap.add_argument("--eager-prompts", action="store_true",
+                    help="prompt_graphs=False: prompt steps run eagerly (the default replays them from graphs, "
+                         "so the eager-step columns and profile then see none)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 16 tokens (a smoke run)")
     ap.add_argument("--out", default="out/host_profile")
     args = ap.parse_args()
@@ -136,7 +141,8 @@ def main() -> None:
             for b in args.batch_sizes.split(",")]
     for level, overlap, b in runs:
         target.pdl, attention.pdl = level, level > 0
-        engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=bool(overlap)))
+        engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=bool(overlap),
+                                                       prompt_graphs=not args.eager_prompts))
         engine.capture_graphs(max_kv_len=64 + new_tokens + 8, progress=False)
         ids = prompts(b, 48, target.config.vocab_size)
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
