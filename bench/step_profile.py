@@ -164,7 +164,8 @@ def main() -> None:
         attention.pdl = target.pdl > 0  # attention launches as the GEMMs around it do
         for b in batches:
             ids = prompts(b, args.prompt_len, target.vocab_size)
-            engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b))
+            # plain steps, so that launch and wait per step stay comparable between modes and sessions
+            engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=False))
             params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(ids, params)  # warm-up: compiles, captures the buckets
             engine.timings.update({k: 0 for k in engine.timings})
