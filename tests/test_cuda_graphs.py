@@ -95,6 +95,19 @@ def test_split_chunk_is_fixed_below_4k_and_bounds_the_splits(max_kv):
     assert split_chunk(max_kv + 1) >= chunk  # a larger bucket never splits finer
 
 
+@given(st.integers(1, 1 << 20), st.integers(0, 1 << 20), st.booleans())
+def test_an_eager_step_splits_where_its_graph_bucket_does(kv, extra_context, prompt):
+    """Eager phases split at split_chunk(their longest kv_len) (triton_gqa.plan), graph steps at
+    split_chunk(their bucket's kv): the same chunk, so the same split offsets, whatever the context
+    limit (a power of two or not)."""
+    from specdec.graphs import prompt_graph_key
+
+    policy = GraphPolicy(max_num_seqs=4, max_draft_tokens=3, max_context=kv + extra_context, prompt_graphs=True)
+    key, why = (prompt_graph_key(policy, [1], [kv]) if prompt else graph_key(policy, [1], [kv]))
+    assert not why and key.max_kv_len >= kv
+    assert split_chunk(key.max_kv_len) == split_chunk(kv)
+
+
 def test_all_buckets_for_a_small_policy():
     policy = GraphPolicy(max_num_seqs=3, max_draft_tokens=2, max_context=600)
     got = {key for key, _ in all_buckets(policy, max_kv_len=200)}
