@@ -145,8 +145,9 @@ def check(step, atol=None):
 
 @pytest.fixture
 def split_backend(monkeypatch):
-    """A registered ``triton_gqa`` that splits contexts of 16+ tokens (so small cases take the split path)."""
-    backend = TritonGQABackend(max_splits=4, min_split_tokens=16)
+    """A registered ``triton_gqa`` that splits contexts of 16+ tokens in balanced splits (so small cases
+    take the balanced split path, not the fixed 256-key offsets of small eager phases)."""
+    backend = TritonGQABackend(max_splits=4, min_split_tokens=16, fixed_split_max_tokens=0)
     monkeypatch.setitem(selector._BACKENDS, backend.name, backend)
     return backend
 
@@ -156,14 +157,16 @@ def split_backend(monkeypatch):
 def test_tuned_key_tiles_and_stages_give_the_reference(monkeypatch, key_tile, num_stages):
     """A backend built with another key tile / pipeline depth (what bench/gqa_sweep.py times) still
     computes the reference, for decode and verify over several pages."""
-    backend = TritonGQABackend(max_splits=4, min_split_tokens=16, key_tile=key_tile, num_stages=num_stages)
+    backend = TritonGQABackend(max_splits=4, min_split_tokens=16, key_tile=key_tile, num_stages=num_stages,
+                               fixed_split_max_tokens=0)
     monkeypatch.setitem(selector._BACKENDS, backend.name, backend)
     check(make_step([], [(3, 70), (1, 33)], h=4, hkv=2, d=32, tpb=8, dtype=torch.bfloat16, seed=key_tile))
 
 
 @pytest.mark.parametrize(("kw", "match"), [(dict(key_tile=24), "key_tile must be a power of two >= 16"),
                                            (dict(key_tile=8), "key_tile must be a power of two >= 16"),
-                                           (dict(num_stages=0), "num_stages must be >= 1")])
+                                           (dict(num_stages=0), "num_stages must be >= 1"),
+                                           (dict(fixed_split_max_tokens=-1), "fixed_split_max_tokens must be >= 0")])
 def test_backend_settings_are_checked(kw, match):
     with pytest.raises(ConfigError, match=match):
         TritonGQABackend(**kw)
@@ -283,6 +286,7 @@ def test_split_kv_merge(split_backend, q_len):
     step = make_step([], [(q_len, 150), (q_len, q_len + 2)], h=4, hkv=1, d=32, tpb=8, dtype=torch.float32, seed=4)
     attn = check(step)
     plan = attn.phases[0].plan
+    assert plan.num_splits is None and plan.split_chunk == 0  # run() chose the balanced splits:
     assert split_backend._num_splits(plan, 1) == 4
 
 

@@ -49,7 +49,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 MAX_TOKENS_PER_BLOCK = 256  # EngineConfig's largest page
 MIN_SM = 80  # bf16 tensor-core dots
-# Eager phases of at most this many tokens split the KV at the fixed offsets graph steps use
+# Eager phases of at most this many tokens (default of TritonGQABackend.fixed_split_max_tokens)
+# split the KV at the fixed offsets graph steps use
 # (graphs.split_chunk), so a row gets the same bits whether its step ran eagerly or from a graph
 # (prompt graphs, mixed steps). Above it the splits stay balanced: the fixed ones' partial
 # outputs (tokens x heads x splits x v_dim fp32) would grow with the step.
@@ -272,8 +273,9 @@ class TritonGQABackend(AttentionBackend):
     Args:
         max_splits: most balanced KV splits per (request, KV head).
         min_split_tokens: fewest KV tokens per balanced split; below it a context is not split.
-            (Graph steps and eager phases of at most :data:`FIXED_SPLIT_MAX_TOKENS` tokens split at
-            fixed offsets instead, :func:`specdec.graphs.split_chunk`: up to 16 splits.)
+        fixed_split_max_tokens: eager phases of at most this many tokens split at the fixed offsets
+            of graph steps (:func:`specdec.graphs.split_chunk`, up to 16 splits) instead, so they give
+            a row the graph's bits; 0: every eager phase in balanced splits.
         key_tile: keys per tile of 16-bit runs (a power of two >= 16), instead of :func:`_tile_sizes`'
             choice (``bench/gqa_sweep.py``).
         num_stages: software-pipeline depth of the attention kernel.
@@ -287,7 +289,8 @@ class TritonGQABackend(AttentionBackend):
     pack_meta_into = staticmethod(pack_meta_into)  # the same, written into it in place (what graph steps use)
 
     def __init__(self, max_splits: int = 16, min_split_tokens: int = 256, key_tile: int | None = None,
-                 num_stages: int = 2, pdl: bool | None = None):
+                 num_stages: int = 2, pdl: bool | None = None,
+                 fixed_split_max_tokens: int = FIXED_SPLIT_MAX_TOKENS):
         if max_splits < 1:
             raise ConfigError(f"TritonGQABackend.max_splits must be >= 1, got {max_splits}")
         if min_split_tokens < 1:
@@ -296,7 +299,10 @@ class TritonGQABackend(AttentionBackend):
             raise ConfigError(f"TritonGQABackend.key_tile must be a power of two >= 16 or None, got {key_tile}")
         if num_stages < 1:
             raise ConfigError(f"TritonGQABackend.num_stages must be >= 1, got {num_stages}")
+        if fixed_split_max_tokens < 0:
+            raise ConfigError(f"TritonGQABackend.fixed_split_max_tokens must be >= 0, got {fixed_split_max_tokens}")
         self.max_splits, self.min_split_tokens = max_splits, min_split_tokens
+        self.fixed_split_max_tokens = fixed_split_max_tokens
         if pdl not in (None, True, False):
             raise ConfigError(f"TritonGQABackend.pdl must be True, False or None, got {pdl!r}")
         self.key_tile, self.num_stages, self.pdl = key_tile, num_stages, pdl
@@ -346,7 +352,7 @@ class TritonGQABackend(AttentionBackend):
     def plan(self, batch: PhaseBatch) -> TritonGQAPlan:
         """Pack the phase's requests into one int32 device tensor.
 
-        A phase of at most :data:`FIXED_SPLIT_MAX_TOKENS` tokens splits its KV at the fixed
+        A phase of at most ``fixed_split_max_tokens`` tokens splits its KV at the fixed
         offsets of graph steps (:func:`specdec.graphs.split_chunk`); a larger one in balanced
         splits sized for the occupancy.
 
@@ -360,7 +366,7 @@ class TritonGQABackend(AttentionBackend):
         q_start = batch.num_tokens
         meta = torch.from_numpy(rows).to(batch.device)
         max_kv = max(batch.kv_lens)
-        chunk = split_chunk(max_kv) if q_start <= FIXED_SPLIT_MAX_TOKENS else 0
+        chunk = split_chunk(max_kv) if q_start <= self.fixed_split_max_tokens else 0
         return TritonGQAPlan(
             meta=meta,
             kv_lens=meta[:, 0],
