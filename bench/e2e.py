@@ -103,13 +103,11 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             if kind != "suffix" or not args.suffix_corpus:
                 raise SystemExit(f"{drafter_name}: '+corpus' needs the suffix drafter and --suffix-corpus FILE")
             kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
-        elif variant == "overlap" and kind != "null":
-            raise SystemExit(f"{drafter_name}: '+overlap' applies to the null drafter only")
         elif variant in ENGINE_VARIANTS:
             engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
         else:
             raise SystemExit(f"unknown drafter variant {variant!r} in {drafter_name!r} "
-                             f"(corpus, overlap, {', '.join(ENGINE_VARIANTS)})")
+                             f"(corpus, {', '.join(ENGINE_VARIANTS)})")
     engine = SpecEngine(target, make_drafter(kind, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

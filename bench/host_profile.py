@@ -42,6 +42,7 @@ from step_profile import prompts, random_target, sync  # noqa: E402
 
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
 from specdec.attention.selector import get_backend  # noqa: E402
+from specdec.graphs import pad_step_into  # noqa: E402
 
 
 def piece_us(fn, device: str, reps: int) -> float:
@@ -90,11 +91,7 @@ def launch_pieces(engine, device: str, reps: int) -> dict:
     if not runner._graphs:
         return {}
     g = max(runner._graphs.values(), key=lambda c: c.key.num_tokens)
-    from specdec.graphs import pad_step_into
-
-    out = {}
-
-    n = g.key.num_tokens
+    out, n = {}, g.key.num_tokens
     ids, pos, slots = [0] * n, list(range(n)), [runner.scratch_slot] * n
     out["pad_step_into_us"] = piece_us(lambda: pad_step_into(g.tokens_np, g.key, ids, pos, slots,
                                                              runner.scratch_slot), device, reps)

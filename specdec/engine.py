@@ -257,7 +257,7 @@ class SpecEngine:
                 return self._unschedulable()
             drafts = self._propose(batch)
             result = self._launch(self._prepare(batch, drafts))
-        if self._overlap and batch:
+        if self._overlap:
             self._inflight = self._launch_ahead(batch, result)
         self._finish_launched(result)
         emitted = self._verify(batch, drafts, result)

@@ -217,7 +217,6 @@ FUSED_BLOCK_M = 16
 FUSED_GEMM_MAX_TOKENS = 512
 
 
-
 @triton.jit
 def _row_rstd(X, rows, rmask, stride_x, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
