@@ -80,11 +80,12 @@ class EngineConfig:
             are unchanged (a request that ends at a step drops the next step's token); a request
             added meanwhile is admitted one step later. ``None`` (default): on where it helps,
             with the null drafter on CUDA (H200, SmolLM2: 1.12x tokens/s at batch 1, 1.35x at
-            32); ``True``: required (an error with a drafter that drafts); ``False``: off.
+            32; BENCHMARKS.md, Session 5, with the commands); ``True``: required (an error with a drafter that drafts); ``False``: off.
         prompt_graphs: prompt-only steps of at most 512 tokens replay CUDA graphs too
             (bucketed like generation steps; the logits of each request's last token), instead
             of launching some 150 kernels from Python (H200, SmolLM2, batch 1: 1.10x tokens/s
-            with the null drafter, 1.20x with the suffix drafter). ``False``: eager prompt steps.
+            with the null drafter, 1.20x with the suffix drafter; BENCHMARKS.md, Session 5).
+            ``False``: eager prompt steps.
     """
 
     max_draft_tokens: int = 8
