@@ -15,7 +15,8 @@
 #   bash bench/device_gpu.sh overlap   # overlapped decode steps (default for null) against plain ones (host profile, e2e)
 #   bash bench/device_gpu.sh newtests  # only the GPU tests of overlapped steps, prompt graphs, PDL and the real model
 #   bash bench/device_gpu.sh pgoverlap # batch 1, tuned suffix drafter: prompt graphs and overlapped steps on and off,
-#                                      # in one run (REPEAT rounds, default 2)
+#                                      # in one run (REPEAT rounds, default 2; CPROFILE=N: + a cProfile of each
+#                                      # system over N prompts, untimed)
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,7 +37,8 @@ for part in "$@"; do
       timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1 --repeat "${REPEAT:-2}" --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
         --drafters null+nooverlap+nopg,null+nooverlap,null+nopg,null,suffix+corpus+nopg,suffix+corpus \
-        --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_pgoverlap" 2>&1 \
+        --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf ${CPROFILE:+--cprofile $CPROFILE} \
+        --out "$OUT/e2e_pgoverlap" 2>&1 \
         | grep "^|" ;;
     realtests)  # the real model on the GPU only (strict lossless in fp32, bf16 batch-invariant)
       timeout 300 python -m pytest tests/test_cuda_graphs.py -k TestSmolLM2OnGPU -p no:cacheprovider -rs -o addopts= \

@@ -129,6 +129,20 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         outs += engine.generate(prompt_ids[i:i + batch_size], params)
         _sync(args.device)
         t_total += time.perf_counter() - t0
+    profile = None
+    if args.cprofile:  # untimed: the host's functions over a second pass of the first prompts
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        engine.generate(prompt_ids[:max(batch_size, args.cprofile)], params)
+        _sync(args.device)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        profile = buf.getvalue().strip()
     tokens = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.stats.accepted_lengths]
     steps = max(1, engine.timings["steps"])
@@ -137,7 +151,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "forwards": sum(o.stats.target_steps for o in outs), "mean_accepted_length": sum(acc) / max(1, len(acc)),
             "steps": engine.timings["steps"], "per_step_ms": per_step_ms, "graphs": engine.graph_stats,
             "precaptured_graphs": precaptured, "precapture_s": precapture_s,
-            "mean_context": sum(len(o.prompt_token_ids) + len(o.token_ids) / 2 for o in outs) / len(outs)}
+            "mean_context": sum(len(o.prompt_token_ids) + len(o.token_ids) / 2 for o in outs) / len(outs),
+            **({"cprofile": profile} if profile else {})}
 
 
 def _tps(r: dict) -> float:
@@ -217,6 +232,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-static", action="store_true",
                     help="also HF generate with a static cache (compiled by transformers on CUDA)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="after each specdec system's timed pass, cProfile it over its first N prompts (at least "
+                         "one batch), untimed; the top 30 functions by own time go below the tables")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write markdown + JSON here (path without suffix)")
     args = ap.parse_args()
@@ -302,6 +320,9 @@ def main() -> None:
                         if ref and name.startswith("specdec") else "-")
                 text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
             text.append("")
+            for name, r in res.items():
+                if r.get("cprofile"):
+                    text += [f"#### cProfile: {name}, batch {b} (top 30 by own time)", "", "```", r["cprofile"], "```", ""]
         return "\n".join(text) + "\n" + ("" if done else "\n(incomplete: the run was still going)\n")
 
     def save(done: bool) -> str:
