@@ -108,7 +108,7 @@ def replay_profile(engine, device: str, reps: int = 20) -> dict:
     return _summarise(prof, reps)
 
 
-def _summarise(prof, steps: int) -> dict:
+def _summarise(prof, steps: int, top_n: int = 12) -> dict:
     per_kernel = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type.name == "CUDA":
@@ -117,10 +117,51 @@ def _summarise(prof, steps: int) -> dict:
             k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     launches = sum(c for c, _ in per_kernel.values())
     busy = sum(t for _, t in per_kernel.values())
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:12]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top_n]
     return {"steps": steps, "kernels_per_step": launches / max(1, steps), "busy_us_per_step": busy / max(1, steps),
             "top": [{"kernel": n, "calls_per_step": c / max(1, steps), "us_per_step": t / max(1, steps)}
                     for n, (c, t) in top]}
+
+
+def verify_profile(target, device: str, batch: int, q_len: int, kv_bucket: int, reps: int) -> dict:
+    """A decode bucket beside the verify bucket of ``q_len`` tokens per request (the same engine,
+    the same context bucket): GPU µs per replay of each, and each one's kernels (``torch.profiler``)."""
+    from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
+    from specdec.graphs import GraphKey
+
+    engine = SpecEngine(target, SuffixAutomatonDrafter(max_draft_tokens=q_len - 1),
+                        EngineConfig(max_num_seqs=batch, max_draft_tokens=q_len - 1))
+    engine.capture_graphs(max_kv_len=kv_bucket, progress=False)
+    out = {"batch": batch, "q_len": q_len, "kv_bucket": kv_bucket}
+    for name, key in (("decode", GraphKey(batch, batch, 1, kv_bucket)),
+                      ("verify", GraphKey(batch, batch * q_len, q_len, kv_bucket))):
+        g = engine.runner._graphs.get(key)
+        if g is None:
+            raise SystemExit(f"no graph was captured for {key}; captured: {sorted(engine.runner._graphs)}")
+        out[f"{name}_us"] = _replay_us_of(g, device, reps)
+        out[f"{name}_profile"] = _graph_profile(g, device)
+    return out
+
+
+def _replay_us_of(g, device: str, reps: int) -> float:
+    for _ in range(5):
+        g.graph.replay()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.graph.replay()
+    sync(device)
+    return 1e6 * (time.perf_counter() - t0) / reps
+
+
+def _graph_profile(g, device: str, reps: int = 20) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.graph.replay()
+        sync(device)
+    return _summarise(prof, reps, top_n=40)  # every kernel of a step
 
 
 def kernel_profile(target, device: str, prompt_ids, new_tokens: int) -> dict:
@@ -147,6 +188,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200, help="graph replays timed per bucket")
     ap.add_argument("--quick", action="store_true", help="2 layers, batch 1 and 2, 8 tokens (a smoke run)")
     ap.add_argument("--modes", default="fused,gemm,gemm_pdl1,gemm_pdl2", help="forward paths to compare (GPU)")
+    ap.add_argument("--verify-rows", type=int, default=0, metavar="Q",
+                    help="also a verify bucket of Q tokens per request beside the decode bucket (same engine, "
+                         "context bucket 512), with the last path of --modes, per batch size (GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -191,6 +235,11 @@ def main() -> None:
             profiles[f"{mode} eager b1"] = kernel_profile(target, args.device, prompts(1, args.prompt_len, target.vocab_size),
                                             min(16, args.new_tokens))
             print(mode, json.dumps(profiles[f"{mode} eager b1"])[:600], flush=True)
+    verify = []
+    if on_gpu and args.verify_rows > 1:  # the last mode's settings are still on the target
+        for b in batches:
+            verify.append(verify_profile(target, args.device, b, args.verify_rows, 512, args.reps))
+            print(json.dumps({k: v for k, v in verify[-1].items() if not k.endswith("profile")}), flush=True)
     equal = {f"{m} b{b}": sum(x == y for x, y in zip(outputs[(modes[0], b)], outputs[(m, b)]))
              for m in modes[1:] for b in batches} if on_gpu else {}
     head = run_header(args.device, args.dtype, "SmolLM2-135M shape with random weights",
@@ -209,11 +258,22 @@ def main() -> None:
                "kernel time per step; largest:", "",
                "| kernel | calls / step | µs / step |", "|---|---|---|"]
         md += [f"| `{t['kernel']}` | {t['calls_per_step']:.0f} | {t['us_per_step']:.1f} |" for t in p["top"]]
+    for v in verify:
+        md += ["", f"**{modes[-1]}, batch {v['batch']}: a {v['q_len']}-token verify replay beside a decode replay** "
+               f"(context bucket {v['kv_bucket']}): {v['verify_us']:.0f} µs against {v['decode_us']:.0f} µs "
+               f"({v['verify_us'] / v['decode_us']:.2f}x)", "",
+               "| kernel | decode calls | decode µs | verify calls | verify µs |", "|---|---|---|---|---|"]
+        dec = {t["kernel"]: t for t in v["decode_profile"]["top"]}
+        ver = {t["kernel"]: t for t in v["verify_profile"]["top"]}
+        for name in sorted(set(dec) | set(ver), key=lambda n: -ver.get(n, dec.get(n))["us_per_step"]):
+            d, w = dec.get(name), ver.get(name)
+            md.append(f"| `{name}` | {d['calls_per_step'] if d else 0:.0f} | {d['us_per_step'] if d else 0:.1f} | "
+                      f"{w['calls_per_step'] if w else 0:.0f} | {w['us_per_step'] if w else 0:.1f} |")
     if equal:
         md += ["", f"greedy outputs equal to `{modes[0]}`'s: "
                + ", ".join(f"{k}: {n}/{k.rsplit(' b', 1)[1]}" for k, n in equal.items())]
     text = "\n".join(md)
-    write_results(args.out, "step_profile", text, {"rows": rows, "profiles": profiles, "equal": equal, "header": head})
+    write_results(args.out, "step_profile", text, {"rows": rows, "profiles": profiles, "equal": equal, "verify": verify, "header": head})
 
 
 if __name__ == "__main__":
