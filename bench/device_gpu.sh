@@ -8,6 +8,7 @@
 #   bash bench/device_gpu.sh block     # the block drafters at batch 8 and 32
 #   bash bench/device_gpu.sh mla       # triton_mla: config sweep, then the 720-shape grid
 #   bash bench/device_gpu.sh profile   # step_profile (fused vs fused-GEMM step) and drafter_profile (block propose)
+#   bash bench/device_gpu.sh vprofile  # step_profile: a 16-token verify replay beside a decode replay, kernel by kernel
 #   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts (k = 15: 16-token verify rows), without
 #                                      # and with a dev-split corpus, batch 1 and 8, REPEAT (3) rounds
 #   bash bench/device_gpu.sh host      # host time per step and the PDL levels, in turn (random weights)
@@ -56,6 +57,9 @@ for part in "$@"; do
     block)
       timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 8,32 --drafters null,dflash,dspark --skip-hf --out "$OUT/e2e_block" 2>&1 | tail -30 ;;
+    vprofile)  # a 16-token verify replay beside a decode replay, the default path, every kernel of each
+      timeout 200 python bench/step_profile.py --device cuda --modes gemm_pdl2 --batch-sizes 1,8 --verify-rows 16 \
+        --out "$OUT/vprof" 2>&1 | grep -E "^\{|^\*\*" | head -12 ;;
     profile)
       timeout 150 python bench/step_profile.py --device cuda --out "$OUT/prof" 2>&1 | grep "^|" | head -9
       timeout 240 python bench/drafter_profile.py --device cuda --out "$OUT/drafter" 2>&1 | tail -20 ;;
