@@ -79,10 +79,10 @@ def sync(device: str) -> None:
 
 def replay_us(engine, device: str, reps: int) -> float | None:
     """GPU time of one replay of the largest captured generation bucket (µs), or None without graphs."""
-    graphs = engine.runner._graphs
+    graphs = [c for c in engine.runner._graphs.values() if c.key.phase == "generation"]  # not a prompt bucket
     if not graphs:
         return None
-    g = max(graphs.values(), key=lambda c: c.key.num_tokens)
+    g = max(graphs, key=lambda c: c.key.num_tokens)
     for _ in range(5):
         g.graph.replay()
     sync(device)
@@ -97,10 +97,10 @@ def replay_profile(engine, device: str, reps: int = 20) -> dict:
     """torch.profiler over replays of the largest captured bucket: kernels per replay, the largest."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = engine.runner._graphs
+    graphs = [c for c in engine.runner._graphs.values() if c.key.phase == "generation"]  # not a prompt bucket
     if not graphs:
         return {}
-    g = max(graphs.values(), key=lambda c: c.key.num_tokens)
+    g = max(graphs, key=lambda c: c.key.num_tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.graph.replay()

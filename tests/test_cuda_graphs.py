@@ -11,7 +11,7 @@ from specdec import SamplingParams, SpecEngine
 from specdec.drafters import SuffixAutomatonDrafter
 from specdec.errors import ConfigError
 from specdec.graphs import (MAX_GRAPH_SPLITS, MIN_KV_BUCKET, GraphKey, GraphPolicy, all_buckets, graph_key,
-                            next_pow2, pad_step_into, split_chunk)
+                            next_pow2, pad_step_into, single_prompt_buckets, split_chunk)
 
 HAS_CUDA = torch.cuda.is_available()
 POLICY = GraphPolicy(max_num_seqs=64, max_draft_tokens=8, max_context=8192)
@@ -198,8 +198,9 @@ class TestOnGPU:
             assert _only_prompt_steps_eager(engine.runner.stats["eager_reasons"]), engine.runner.stats["eager_reasons"]
 
     def test_captured_before_serving_equals_captured_on_demand(self, tmp_path):
-        """capture_graphs() captures every bucket up front (scratch slot only): generation then
-        captures nothing more, and outputs equal those of an engine that captured on demand."""
+        """capture_graphs() captures every generation bucket and every one-request prompt bucket up
+        front (scratch slot only): generation then captures only prompt buckets of several requests,
+        and outputs equal those of an engine that captured on demand."""
         from tests.test_triton_gqa import tiny_llama
 
         target = tiny_llama(tmp_path, "cuda", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -210,10 +211,14 @@ class TestOnGPU:
         on_demand, _ = _generate(target, SuffixAutomatonDrafter(), prompts, 40, max_num_seqs=4)
         engine = SpecEngine(target, SuffixAutomatonDrafter(), max_num_seqs=4)
         captured = engine.capture_graphs(max_kv_len=300, progress=False)
-        assert captured == len(all_buckets(engine.runner.policy, max_kv_len=300)) > 0
+        policy = engine.runner.policy
+        assert captured == len(all_buckets(policy, max_kv_len=300)) + len(single_prompt_buckets(policy, 300)) > 0
+        before = set(engine.runner._graphs)
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
         assert [o.token_ids for o in outs] == on_demand
-        assert engine.runner.stats["graphs_captured"] == captured  # none during generation
+        later = set(engine.runner._graphs) - before
+        assert all(k.phase == "context" and k.num_seqs > 1 for k in later), later
+        assert engine.runner.stats["graphs_captured"] == captured + len(later)
         assert engine.runner.stats["graph_steps"] > 0
 
     def test_replay_equals_eager_in_bf16(self, tmp_path):
