@@ -77,12 +77,26 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _largest_generation_graph(engine):
+    """The captured generation bucket with the most tokens (not a prompt bucket), or None."""
+    graphs = [c for c in engine.runner._graphs.values() if c.key.phase == "generation"]
+    return max(graphs, key=lambda c: c.key.num_tokens) if graphs else None
+
+
 def replay_us(engine, device: str, reps: int) -> float | None:
     """GPU time of one replay of the largest captured generation bucket (µs), or None without graphs."""
-    graphs = [c for c in engine.runner._graphs.values() if c.key.phase == "generation"]  # not a prompt bucket
-    if not graphs:
-        return None
-    g = max(graphs, key=lambda c: c.key.num_tokens)
+    g = _largest_generation_graph(engine)
+    return _replay_us_of(g, device, reps) if g is not None else None
+
+
+def replay_profile(engine, device: str, reps: int = 20) -> dict:
+    """torch.profiler over replays of the largest captured generation bucket: kernels per replay, the largest."""
+    g = _largest_generation_graph(engine)
+    return _graph_profile(g, device, reps, top_n=12) if g is not None else {}
+
+
+def _replay_us_of(g, device: str, reps: int) -> float:
+    """µs per replay of a captured graph, over ``reps`` back-to-back replays after 5 warm ones."""
     for _ in range(5):
         g.graph.replay()
     sync(device)
@@ -93,19 +107,15 @@ def replay_us(engine, device: str, reps: int) -> float | None:
     return 1e6 * (time.perf_counter() - t0) / reps
 
 
-def replay_profile(engine, device: str, reps: int = 20) -> dict:
-    """torch.profiler over replays of the largest captured bucket: kernels per replay, the largest."""
+def _graph_profile(g, device: str, reps: int = 20, top_n: int = 40) -> dict:
+    """torch.profiler over ``reps`` replays of a captured graph (``top_n`` 40: every kernel of a step)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = [c for c in engine.runner._graphs.values() if c.key.phase == "generation"]  # not a prompt bucket
-    if not graphs:
-        return {}
-    g = max(graphs, key=lambda c: c.key.num_tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.graph.replay()
         sync(device)
-    return _summarise(prof, reps)
+    return _summarise(prof, reps, top_n)
 
 
 def _summarise(prof, steps: int, top_n: int = 12) -> dict:
@@ -141,27 +151,6 @@ def verify_profile(target, device: str, batch: int, q_len: int, kv_bucket: int, 
         out[f"{name}_us"] = _replay_us_of(g, device, reps)
         out[f"{name}_profile"] = _graph_profile(g, device)
     return out
-
-
-def _replay_us_of(g, device: str, reps: int) -> float:
-    for _ in range(5):
-        g.graph.replay()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.graph.replay()
-    sync(device)
-    return 1e6 * (time.perf_counter() - t0) / reps
-
-
-def _graph_profile(g, device: str, reps: int = 20) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.graph.replay()
-        sync(device)
-    return _summarise(prof, reps, top_n=40)  # every kernel of a step
 
 
 def kernel_profile(target, device: str, prompt_ids, new_tokens: int) -> dict:
