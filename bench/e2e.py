@@ -14,7 +14,8 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
   specdec-<name>     SpecEngine with drafter <name> (default: null and suffix)
   specdec-<name>-invariant   the same with batch_invariant=True (--invariant)
   specdec-<name>+nopg  the same with prompt_graphs=False (+pg: True, the default), +nooverlap with
-                     overlap_steps=False (+overlap: True; the default is on for null on CUDA); its
+                     overlap_steps=False (+overlap: True; the default is on for null on CUDA), +nofm
+                     with triton_gqa's split KV merged in a second kernel (fused_merge=False); its
                      ratio and equality are taken to specdec-null with the same suffixes when the
                      run has it
 
@@ -26,7 +27,8 @@ drafter, verify, host), the bytes-read floor of one step (weights + mean KV at
 captures every CUDA-graph bucket the prompts can need (``engine.capture_graphs``;
 ``--no-precapture`` leaves captures inside the timed steps) and generates its
 first batch, untimed (compiles kernels).
-Writes a markdown table (and JSON) to --out.
+``--cprofile N`` adds, below the tables, a cProfile of each specdec system over its first N
+prompts (a second, untimed pass). Writes a markdown table (and JSON) to --out.
 """
 
 from __future__ import annotations
