@@ -8,8 +8,6 @@
 #   bash bench/device_gpu.sh block     # the block drafters at batch 8 and 32
 #   bash bench/device_gpu.sh mla       # triton_mla: config sweep, then the 720-shape grid
 #   bash bench/device_gpu.sh profile   # step_profile (fused vs fused-GEMM step) and drafter_profile (block propose)
-#   bash bench/device_gpu.sh fmerge    # GPU tests of triton_gqa, then batch 1 with the fused split-KV merge and without
-#                                      # (+nofm), null and the tuned suffix drafter, REPEAT (2) rounds; fmerge832: batch 8, 32
 #   bash bench/device_gpu.sh vprofile  # step_profile: a 16-token verify replay beside a decode replay, kernel by kernel
 #   bash bench/device_gpu.sh tuned     # the suffix drafter with longer drafts (k = 15: 16-token verify rows), without
 #                                      # and with a dev-split corpus, batch 1 and 8, REPEAT (3) rounds
@@ -59,17 +57,6 @@ for part in "$@"; do
     block)
       timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 8,32 --drafters null,dflash,dspark --skip-hf --out "$OUT/e2e_block" 2>&1 | tail -30 ;;
-    fmerge)  # the fused split-KV merge (triton_gqa fused_merge, the default) against the second merge kernel
-      timeout 240 python -m pytest tests/test_triton_gqa.py -m gpu -p no:cacheprovider -q -o addopts= 2>&1 \
-        | tail -4 | tee "$OUT/gpu_tests_gqa.txt"
-      timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1 --repeat "${REPEAT:-2}" --k 15 --suffix-kwargs '{"match_len_factor": 16}' \
-        --drafters null+nofm,null,suffix+corpus+nofm,suffix+corpus \
-        --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf --out "$OUT/e2e_fmerge" 2>&1 \
-        | grep "^|" ;;
-    fmerge832)
-      timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 8,32 --drafters null+nofm,null,suffix --skip-hf --out "$OUT/e2e_fmerge_b8_32" 2>&1 | grep "^|" ;;
     vprofile)  # a 16-token verify replay beside a decode replay, the default path, every kernel of each
       timeout 200 python bench/step_profile.py --device cuda --modes gemm_pdl2 --batch-sizes 1,8 --verify-rows 16 \
         --out "$OUT/vprof" 2>&1 | grep -E "^\{|^\*\*" | head -12 ;;

@@ -14,8 +14,7 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
   specdec-<name>     SpecEngine with drafter <name> (default: null and suffix)
   specdec-<name>-invariant   the same with batch_invariant=True (--invariant)
   specdec-<name>+nopg  the same with prompt_graphs=False (+pg: True, the default), +nooverlap with
-                     overlap_steps=False (+overlap: True; the default is on for null on CUDA), +nofm
-                     with triton_gqa's split KV merged in a second kernel (fused_merge=False); its
+                     overlap_steps=False (+overlap: True; the default is on for null on CUDA); its
                      ratio and equality are taken to specdec-null with the same suffixes when the
                      run has it
 
@@ -46,7 +45,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec import SamplingParams, SpecEngine  # noqa: E402
-from specdec.attention.selector import get_backend  # noqa: E402
 from specdec.drafters import make_drafter  # noqa: E402
 from specdec.prompts import humaneval_prompts, parse_range  # noqa: E402
 from specdec.target import load_target  # noqa: E402
@@ -99,26 +97,10 @@ def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1
 
 
 def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engine_kw):
-    """One specdec system over every prompt (see ``--drafters``); backend variants hold only for it."""
-    attention = get_backend("triton_gqa")
-    settings = {k: v for variant in drafter_name.split("+")[1:] for k, v in BACKEND_VARIANTS.get(variant, {}).items()}
-    saved = {k: getattr(attention, k) for k in settings}
-    try:
-        for k, v in settings.items():
-            setattr(attention, k, v)
-        return _run_specdec(target, drafter_name, prompt_ids, args, batch_size, **engine_kw)
-    finally:
-        for k, v in saved.items():
-            setattr(attention, k, v)
-
-
-def _run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engine_kw):
     kind, *variants = drafter_name.split("+")
     kwargs = {"max_draft_tokens": args.k, **json.loads(args.suffix_kwargs)} if kind == "suffix" else {}
     for variant in variants:
-        if variant in BACKEND_VARIANTS:
-            continue
-        elif variant == "corpus":  # e.g. responses to other prompts (a server's history)
+        if variant == "corpus":  # e.g. responses to other prompts (a server's history)
             if kind != "suffix" or not args.suffix_corpus:
                 raise SystemExit(f"{drafter_name}: '+corpus' needs the suffix drafter and --suffix-corpus FILE")
             kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
@@ -126,7 +108,7 @@ def _run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engi
             engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
         else:
             raise SystemExit(f"unknown drafter variant {variant!r} in {drafter_name!r} "
-                             f"(corpus, {', '.join([*ENGINE_VARIANTS, *BACKEND_VARIANTS])})")
+                             f"(corpus, {', '.join(ENGINE_VARIANTS)})")
     engine = SpecEngine(target, make_drafter(kind, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -183,9 +165,6 @@ def _tps(r: dict) -> float:
 # The defaults: prompt graphs on, overlapped decode steps on for the null drafter on CUDA.
 ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False},
                    "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False}}
-# settings of the registered triton_gqa backend for one system ("null+nofm": split KV merged by a second
-# kernel, as before the fused merge); its ratio is taken to plain null
-BACKEND_VARIANTS = {"nofm": {"fused_merge": False}}
 
 
 def _null_of(label: str, labels=()) -> str:
@@ -196,7 +175,7 @@ def _null_of(label: str, labels=()) -> str:
         return "specdec-null-invariant"
     if label.startswith("specdec-null"):  # a null variant is compared with plain null
         return "specdec-null"
-    mine = [v for v in label.removeprefix("specdec-").split("+")[1:] if v in ENGINE_VARIANTS or v in BACKEND_VARIANTS]
+    mine = [v for v in label.removeprefix("specdec-").split("+")[1:] if v in ENGINE_VARIANTS]
     same = "+".join(["specdec-null", *mine])
     return same if same in labels else "specdec-null"
 
@@ -238,7 +217,7 @@ def main() -> None:
                     help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, "
                          "dspark; '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
-                         "to null+nopg); '+nofm' merges split KV in a second kernel (triton_gqa fused_merge=False)")
+                         "to null+nopg)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,

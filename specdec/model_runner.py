@@ -85,7 +85,6 @@ class _Captured:
     rows_host: torch.Tensor | None = None  # prompt buckets: pinned [num_seqs] int64, the rows whose logits
     rows_dev: torch.Tensor | None = None  # the step needs (each request's last token)
     rows_np: object = None
-    plan: object = None  # the attention plan the graph reads (it owns device buffers the graph uses)
 
     def __post_init__(self) -> None:
         self.tokens_np, self.meta_np = self.tokens_host.numpy(), self.meta_host.numpy()
@@ -343,8 +342,8 @@ class ModelRunner:
                       rows_host=torch.empty(key.num_seqs, dtype=torch.long).pin_memory() if prompt else None,
                       rows_dev=torch.empty(key.num_seqs, dtype=torch.long, device=dev) if prompt else None)
         self._fill(g, step, ids_from)
-        g.plan = plan = backend.graph_plan(g.meta_dev, key.num_tokens, key.max_q_len, key.max_kv_len, self.tpb,
-                                           split_chunk=split_chunk(key.max_kv_len))
+        plan = backend.graph_plan(g.meta_dev, key.num_tokens, key.max_q_len, key.max_kv_len, self.tpb,
+                                  split_chunk=split_chunk(key.max_kv_len))
         shape = self.shape_of(key.phase, key.max_q_len, False)
         attn = AttentionMetadata(g.tokens_dev[2], (PhasePlan(shape, 0, key.num_tokens, backend, plan),))
         layer_ids = self.hidden_layer_ids

@@ -62,14 +62,12 @@ def _qkv_ptx(pdl: int) -> str:
     return _ptx(K._qkv_rope_kernel, {**ptrs, **ints, "eps": "fp32"}, consts)
 
 
-def _attn_ptx(pdl: bool, splits: int, fused_merge: bool = False) -> str:
-    ptrs = {n: "*bf16" for n in ("Q", "K", "V", "O")} | {"O_PART": "*fp32", "LSE_PART": "*fp32", "META": "*i32",
-                                                        "COUNTERS": "*i32"}
+def _attn_ptx(pdl: bool, splits: int) -> str:
+    ptrs = {n: "*bf16" for n in ("Q", "K", "V", "O")} | {"O_PART": "*fp32", "LSE_PART": "*fp32", "META": "*i32"}
     strides = [f"stride_{a}{b}" for a in ("q", "k", "v", "o") for b in ("t" if a in "qo" else "s", "h", "d")]
     ints = {n: "i32" for n in ["stride_meta", *strides, "num_heads", "m_blocks", "split_chunk"]}
     consts = {"GROUP": 3, "HEAD_DIM": 64, "V_DIM": 64, "PAGE": 16, "NUM_SPLITS": splits, "BLOCK_M": 16,
-              "BLOCK_N": 128, "BLOCK_D": 64, "BLOCK_DV": 64, "PRECISION": "tf32", "PDL": pdl,
-              "FUSED_MERGE": fused_merge}
+              "BLOCK_N": 128, "BLOCK_D": 64, "BLOCK_DV": 64, "PRECISION": "tf32", "PDL": pdl}
     return _ptx(triton_gqa._gqa_attn_kernel, {**ptrs, **ints, "qk_scale": "fp32", "v_scale": "fp32"}, consts)
 
 
@@ -86,7 +84,6 @@ CASES = {
     "qkv + rope + cache write": _qkv_ptx,
     "attention (one split)": lambda p: _attn_ptx(p > 0, 1),
     "attention (four splits)": lambda p: _attn_ptx(p > 0, 4),
-    "attention (four splits, merged by the last)": lambda p: _attn_ptx(p > 0, 4, fused_merge=True),
     "merge splits": lambda p: _merge_ptx(p > 0),
 }
 PREFETCHING = {"linear (residual, writes ss)", "linear (norm, silu_mul)", "qkv + rope + cache write"}

@@ -290,42 +290,6 @@ def test_split_kv_merge(split_backend, q_len):
     assert split_backend._num_splits(plan, 1) == 4
 
 
-@needs_kernels
-@pytest.mark.parametrize("split_chunk", [0, 64])
-def test_fused_merge_equals_the_merge_kernel_and_leaves_its_counters_at_zero(split_chunk):
-    """The last split of a row block merges in the attention kernel itself (one launch a layer): the
-    same outputs as the second merge kernel; every counter is back at zero after a launch, so the
-    plan's next launch (the next layer, the next graph replay) merges again."""
-    step = make_step([], [(5, 150), (1, 7), (3, 90)], h=6, hkv=2, d=32, tpb=8, dtype=torch.float32, seed=9)
-    ref, _ = attend(step, "torch_ref")
-    kc, vc = _cache_after_writes(step)
-    tables = [t for _, _, t in step["generation"]]
-    fused, second = TritonGQABackend(max_splits=4, min_split_tokens=16), TritonGQABackend(fused_merge=False,
-                                                                                         max_splits=4,
-                                                                                         min_split_tokens=16)
-    outs = {}
-    for name, backend in (("fused", fused), ("second", second)):
-        meta = torch.tensor(backend.pack_meta([5, 1, 3], [150, 7, 90], tables, 8, 3 + 19), dtype=torch.int32,
-                            device=DEVICE)
-        plan = backend.graph_plan(meta, 9, 5, 256, 8, split_chunk=split_chunk)
-        runs = [backend.run(plan, step["q"], kc, vc, 32 ** -0.5, 32) for _ in range(3)]  # three layers
-        assert all(torch.equal(r, runs[0]) for r in runs[1:])
-        counters = plan.scratch.get("counters")
-        if name == "fused":
-            assert counters is not None and counters.numel() == 3 * 1 * 2  # requests x row blocks x KV heads
-            assert not counters.any()
-        else:
-            assert counters is None
-        outs[name] = runs[0]
-    torch.testing.assert_close(outs["fused"], ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outs["fused"], outs["second"], atol=1e-6, rtol=1e-6)
-
-
-def test_fused_merge_setting_is_checked():
-    with pytest.raises(ConfigError, match="fused_merge must be True or False"):
-        TritonGQABackend(fused_merge=1)
-
-
 def _cache_after_writes(step):
     kc, vc = step["k_cache"].clone(), step["v_cache"].clone()
     kc.index_copy_(0, step["slot_mapping"], step["k"])
@@ -492,7 +456,7 @@ def test_plan_packs_the_step_into_one_int32_tensor():
 @pytest.mark.skipif(INTERPRETED, reason="the kernels were built for the interpreter")
 @pytest.mark.parametrize(("dtype", "d", "group", "q_len", "splits", "pdl"), [
     ("bf16", 64, 3, 1, 1, True),  # SmolLM2 decode
-    ("bf16", 64, 3, 1, 2, True),  # SmolLM2 decode, two KV splits merged by the last (a 512-key graph bucket)
+    ("bf16", 64, 3, 1, 2, True),  # SmolLM2 decode in a 512-key graph bucket: two KV splits
     ("bf16", 64, 3, 9, 4, True),  # SmolLM2 verify, split KV
     ("bf16", 64, 3, 16, 2, False),  # SmolLM2 verify of 15 draft tokens: two 32-row blocks
     ("bf16", 128, 8, 16, 2, False),  # 128 rows in one block
@@ -507,8 +471,8 @@ def test_kernel_compiles_for_sm90(dtype, d, group, q_len, splits, pdl):
     block_m, block_n = triton_gqa._tile_sizes(dtype == "fp32", d, q_len * group)
     const = dict(GROUP=group, HEAD_DIM=d, V_DIM=d, PAGE=16, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
                  BLOCK_D=d, BLOCK_DV=d, PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=pdl,
-                 FUSED_MERGE=splits > 1, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)  # unit strides are specialised at launch
-    pointers = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_PART="fp32", LSE_PART="fp32", META="i32", COUNTERS="i32")
+                 stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)  # unit strides are specialised at launch
+    pointers = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_PART="fp32", LSE_PART="fp32", META="i32")
     sig = {n: "constexpr" if n in const else "*" + pointers[n] if n in pointers else
            "fp32" if n in ("qk_scale", "v_scale") else "i32" for n in kernel.arg_names}
     aligned = [*pointers, "stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh"]
@@ -631,38 +595,6 @@ class TestOnGPU:
         q2 = step["q"] * -1
         again = p.backend.run(p.plan, q2, kc, vc, 64 ** -0.5, 64)
         torch.testing.assert_close(out, again)
-
-    def test_fused_merge_is_stable_across_graph_replays(self):
-        """The last-split merge under real concurrency (PDL launches, 16 splits of 256 keys): a graph of
-        30 launches over one plan (a step's layers), replayed 50 times, gives the same bits every time,
-        equal to the second merge kernel's output up to bf16 rounding."""
-        from specdec.graphs import split_chunk
-
-        step = make_step([], [(1, 4000), (16, 3000), (1, 300), (5, 4096)], h=9, hkv=3, d=64, tpb=16,
-                         dtype=torch.bfloat16, device="cuda", seed=11)
-        kc, vc = _cache_after_writes(step)
-        tables = [t for _, _, t in step["generation"]]
-        results = {}
-        for fused in (True, False):
-            backend = TritonGQABackend(fused_merge=fused)
-            rows = backend.pack_meta([1, 16, 1, 5], [4000, 3000, 300, 4096], tables, 16, 3 + 256)
-            meta = torch.tensor(rows, dtype=torch.int32, device="cuda")
-            plan = backend.graph_plan(meta, 23, 16, 4096, 16, split_chunk=split_chunk(4096))
-            backend.run(plan, step["q"], kc, vc, 64 ** -0.5, 64)  # warm-up: compiles, makes the counters
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = [backend.run(plan, step["q"], kc, vc, 64 ** -0.5, 64) for _ in range(30)]
-            replays = []
-            for _ in range(50):
-                graph.replay()
-                replays.append(torch.stack(outs).clone())
-            torch.cuda.synchronize()
-            assert all(torch.equal(r, replays[0][0:1].expand_as(r)) for r in replays), f"fused={fused}"
-            if fused:
-                assert not plan.scratch["counters"].any()
-            results[fused] = replays[0][0]
-        torch.testing.assert_close(results[True].float(), results[False].float(), atol=2e-2, rtol=2e-2)
 
     def test_engine_greedy_tokens_equal_the_reference(self, tmp_path):
         # SmolLM2-like attention (9 query heads, 3 KV heads, head_dim 64); prompts long enough to split KV.

@@ -14,10 +14,7 @@ context phases and fp32 (16-row blocks) use several row blocks, each stopping
 at its causal diagonal. Long contexts are cut
 into ``num_splits`` KV ranges (split-KV / flash-decoding) when there are too
 few (request, KV head) programs to fill the GPU; each split writes its partial
-output with its log-sum-exp, and the last split of a row block to finish (an
-atomic counter per row block, reset by that program) merges them exactly, in
-split order: no second kernel per layer (``fused_merge=False``: a second kernel
-merges, as before).
+output with its log-sum-exp and a second kernel merges them exactly.
 
 Grid: ``(num_seqs * m_blocks, num_kv_heads, num_splits)``. Inside a program:
 online softmax in base 2 with fp32 statistics and accumulator; scores with
@@ -34,7 +31,7 @@ host-device synchronisation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,7 +59,7 @@ FIXED_SPLIT_MAX_TOKENS = 512
 
 @triton.jit
 def _gqa_attn_kernel(
-    Q, K, V, O, O_PART, LSE_PART, META, COUNTERS,
+    Q, K, V, O, O_PART, LSE_PART, META,
     stride_meta,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
@@ -80,7 +77,6 @@ def _gqa_attn_kernel(
     BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     pdl_enter(PDL)  # programmatic dependent launch: wait for the kernel that wrote Q and the cache
     pid = tl.program_id(0)
@@ -160,32 +156,6 @@ def _gqa_attn_kernel(
         tl.store(O_PART + part[:, None] * V_DIM + dv[None, :], out, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # -inf: saw nothing
         tl.store(LSE_PART + part, lse, mask=row_ok)
-        if FUSED_MERGE:
-            # The last of this row block's splits to finish merges them all (no second kernel). Every
-            # thread's stores above come before the counter's release; the last program's loads after
-            # its acquire, from L2 (.cg: never a stale L1 line). It resets the counter for the next launch.
-            tl.debug_barrier()
-            counter = COUNTERS + pid * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                base = (q_rows * num_heads + head) * NUM_SPLITS  # [BLOCK_M]
-                # Split 0 always holds key 0, which every query sees, so a valid row's max is finite.
-                lse_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
-                for s in tl.static_range(NUM_SPLITS):
-                    lse_max = tl.maximum(lse_max, tl.load(LSE_PART + base + s, mask=row_ok, other=-1.0e30,
-                                                          cache_modifier=".cg"))
-                num = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-                den = tl.zeros([BLOCK_M], tl.float32)
-                for s in tl.static_range(NUM_SPLITS):
-                    w = tl.exp2(tl.load(LSE_PART + base + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-                                - lse_max)
-                    o_s = tl.load(O_PART + (base + s)[:, None] * V_DIM + dv[None, :], mask=out_mask, other=0.0,
-                                  cache_modifier=".cg")
-                    num += w[:, None] * o_s
-                    den += w
-                merged = num / tl.where(den > 0, den, 1.0)[:, None]
-                tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :] * stride_od,
-                         merged.to(O.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -295,9 +265,6 @@ class TritonGQAPlan:
     num_sms: int
     num_splits: int | None = None
     split_chunk: int = 0
-    # the fused merge's counters (one int32 per row block, zero between launches), made by the first
-    # run() of the plan and kept with it: a graph step's plan lives as long as its graph
-    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class TritonGQABackend(AttentionBackend):
@@ -311,8 +278,6 @@ class TritonGQABackend(AttentionBackend):
             a row the graph's bits; 0: every eager phase in balanced splits.
         key_tile: keys per tile of 16-bit runs (a power of two >= 16), instead of :func:`_tile_sizes`'
             choice (``bench/gqa_sweep.py``).
-        fused_merge: with split KV, the last split of each row block to finish merges the partial
-            outputs (one kernel a layer); ``False``: a second kernel merges them.
         num_stages: software-pipeline depth of the attention kernel.
         pdl: launch with programmatic dependent launch (:mod:`specdec.pdl`); ``None``: where the
             GPU has it (SM90+). ``True`` on a device without it is an error at ``run``.
@@ -325,7 +290,7 @@ class TritonGQABackend(AttentionBackend):
 
     def __init__(self, max_splits: int = 16, min_split_tokens: int = 256, key_tile: int | None = None,
                  num_stages: int = 2, pdl: bool | None = None,
-                 fixed_split_max_tokens: int = FIXED_SPLIT_MAX_TOKENS, fused_merge: bool = True):
+                 fixed_split_max_tokens: int = FIXED_SPLIT_MAX_TOKENS):
         if max_splits < 1:
             raise ConfigError(f"TritonGQABackend.max_splits must be >= 1, got {max_splits}")
         if min_split_tokens < 1:
@@ -338,9 +303,6 @@ class TritonGQABackend(AttentionBackend):
             raise ConfigError(f"TritonGQABackend.fixed_split_max_tokens must be >= 0, got {fixed_split_max_tokens}")
         self.max_splits, self.min_split_tokens = max_splits, min_split_tokens
         self.fixed_split_max_tokens = fixed_split_max_tokens
-        if not isinstance(fused_merge, bool):
-            raise ConfigError(f"TritonGQABackend.fused_merge must be True or False, got {fused_merge!r}")
-        self.fused_merge = fused_merge
         if pdl not in (None, True, False):
             raise ConfigError(f"TritonGQABackend.pdl must be True, False or None, got {pdl!r}")
         self.key_tile, self.num_stages, self.pdl = key_tile, num_stages, pdl
@@ -478,28 +440,24 @@ class TritonGQABackend(AttentionBackend):
             block_n = self.key_tile
         m_blocks = -(-plan.max_q_len * group // block_m)
         splits = plan.num_splits or self._num_splits(plan, m_blocks * num_kv_heads)
-        grid = (plan.num_seqs * m_blocks, num_kv_heads, splits)
-        fused = self.fused_merge and splits > 1
-        counters = out  # unused by the kernel
         if splits > 1:
             o_part = q.new_empty(num_tokens, num_heads, splits, v_head_dim, dtype=torch.float32)
             lse_part = q.new_empty(num_tokens, num_heads, splits, dtype=torch.float32)
-            if fused:
-                counters = _counters(plan, grid[0] * grid[1], q.device)
         else:
             o_part = lse_part = out  # unused by the kernel
+        grid = (plan.num_seqs * m_blocks, num_kv_heads, splits)
         _gqa_attn_kernel[grid](
-            q, k_cache, v_cache, out, o_part, lse_part, plan.meta, counters,
+            q, k_cache, v_cache, out, o_part, lse_part, plan.meta,
             plan.meta.stride(0),
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
             num_heads, m_blocks, scale * kv_scale * math.log2(math.e), kv_scale, plan.split_chunk,
             GROUP=group, HEAD_DIM=head_dim, V_DIM=v_head_dim, PAGE=plan.tokens_per_block, NUM_SPLITS=splits,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, FUSED_MERGE=fused,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
             num_warps=8 if block_m * max(block_d, block_dv) >= 128 * 128 else 4,
             num_stages=self.num_stages, launch_pdl=pdl,
         )
-        if splits > 1 and not fused:
+        if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, o_part, lse_part, *out.stride(), num_heads,
                 NUM_SPLITS=splits, V_DIM=v_head_dim, BLOCK_S=_pow2(splits), BLOCK_DV=block_dv, PDL=pdl,
@@ -527,17 +485,6 @@ class TritonGQABackend(AttentionBackend):
         if index not in self._num_sms:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._num_sms[index]
-
-
-def _counters(plan: TritonGQAPlan, n: int, device: torch.device) -> torch.Tensor:
-    """The plan's fused-merge counters, at least ``n`` of them, all zero (the kernel leaves them so).
-
-    Made once per plan, by its first run (a graph's warm-up, outside the capture), and shared by
-    every layer: one layer's launch ends before the next layer's attention starts."""
-    counters = plan.scratch.get("counters")
-    if counters is None or counters.numel() < n:
-        counters = plan.scratch["counters"] = torch.zeros(n, dtype=torch.int32, device=device)
-    return counters
 
 
 def _tile_sizes(fp32: bool, block_d: int, rows: int) -> tuple[int, int]:
