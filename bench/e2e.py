@@ -133,17 +133,15 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
     profile = None
     if args.cprofile:  # untimed: the host's functions over a second pass of the first prompts
         import cProfile
-        import io
-        import pstats
+
+        from results_io import top_functions
 
         prof = cProfile.Profile()
         prof.enable()
         engine.generate(prompt_ids[:max(batch_size, args.cprofile)], params)
         _sync(args.device)
         prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-        profile = buf.getvalue().strip()
+        profile = top_functions(prof, 30)
     tokens = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.stats.accepted_lengths]
     steps = max(1, engine.timings["steps"])

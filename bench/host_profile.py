@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -37,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import run_header, write_results  # noqa: E402
-from step_profile import prompts, random_target, sync  # noqa: E402
+from results_io import run_header, top_functions, write_results  # noqa: E402
+from step_profile import largest_generation_graph, prompts, random_target, sync  # noqa: E402
 
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
 from specdec.attention.selector import get_backend  # noqa: E402
@@ -86,11 +84,12 @@ def profile_calls(obj, name: str) -> cProfile.Profile:
 
 
 def launch_pieces(engine, device: str, reps: int) -> dict:
-    """CPU cost of each piece of a graph launch, on the largest captured bucket."""
+    """CPU cost of each piece of a graph launch, on the largest captured generation bucket (not a
+    prompt bucket, which prompt graphs make larger)."""
     runner = engine.runner
-    if not runner._graphs:
+    g = largest_generation_graph(engine)
+    if g is None:
         return {}
-    g = max(runner._graphs.values(), key=lambda c: c.key.num_tokens)
     out, n = {}, g.key.num_tokens
     ids, pos, slots = [0] * n, list(range(n)), [runner.scratch_slot] * n
     out["pad_step_into_us"] = piece_us(lambda: pad_step_into(g.tokens_np, g.key, ids, pos, slots,
@@ -170,17 +169,13 @@ def main() -> None:
             engine.generate(ids, params)
             sync(args.device)
             del engine.runner._eager
-            buf = io.StringIO()
-            pstats.Stats(eager_prof, stream=buf).sort_stats("tottime").print_stats(25)
-            profiles[f"eager (prompt) steps only, pdl {level}, batch {b}"] = buf.getvalue()
+            profiles[f"eager (prompt) steps only, pdl {level}, batch {b}"] = top_functions(eager_prof, 25)
             prof = cProfile.Profile()
             prof.enable()
             engine.generate(ids, params)
             sync(args.device)
             prof.disable()
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-            profiles[f"pdl {level}, batch {b}"] = buf.getvalue()
+            profiles[f"pdl {level}, batch {b}"] = top_functions(prof, 25)
         rows.append(row)
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     keys = list(rows[0])

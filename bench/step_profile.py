@@ -77,7 +77,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _largest_generation_graph(engine):
+def largest_generation_graph(engine):
     """The captured generation bucket with the most tokens (not a prompt bucket), or None."""
     graphs = [c for c in engine.runner._graphs.values() if c.key.phase == "generation"]
     return max(graphs, key=lambda c: c.key.num_tokens) if graphs else None
@@ -85,13 +85,13 @@ def _largest_generation_graph(engine):
 
 def replay_us(engine, device: str, reps: int) -> float | None:
     """GPU time of one replay of the largest captured generation bucket (µs), or None without graphs."""
-    g = _largest_generation_graph(engine)
+    g = largest_generation_graph(engine)
     return _replay_us_of(g, device, reps) if g is not None else None
 
 
 def replay_profile(engine, device: str, reps: int = 20) -> dict:
     """torch.profiler over replays of the largest captured generation bucket: kernels per replay, the largest."""
-    g = _largest_generation_graph(engine)
+    g = largest_generation_graph(engine)
     return _graph_profile(g, device, reps, top_n=12) if g is not None else {}
 
 
