@@ -353,7 +353,7 @@ class TestOnGPU:
         """The drafter's graphs beside the target's own graph steps: fp32 greedy output == the null drafter's."""
         from specdec import SamplingParams, SpecEngine
 
-        from tests.test_triton_gqa import tiny_llama
+        from helpers import tiny_llama
 
         target = tiny_llama(tmp_path, "cuda", vocab_size=128, hidden_size=64, intermediate_size=128,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

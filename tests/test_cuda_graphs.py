@@ -118,7 +118,7 @@ def test_all_buckets_for_a_small_policy():
 
 
 def test_capture_graphs_is_a_no_op_on_the_cpu(tmp_path):
-    from tests.test_triton_gqa import tiny_llama
+    from helpers import tiny_llama
 
     engine = SpecEngine(tiny_llama(tmp_path, "cpu"), tokens_per_block=4)
     assert engine.capture_graphs(progress=False) == 0
@@ -151,7 +151,7 @@ def test_config_validates_graph_settings():
 
 
 def test_cpu_steps_run_eagerly_and_say_why(tmp_path):
-    from tests.test_triton_gqa import tiny_llama
+    from helpers import tiny_llama
 
     target = tiny_llama(tmp_path, "cpu")
     engine = SpecEngine(target, SuffixAutomatonDrafter(), tokens_per_block=4)
@@ -182,7 +182,7 @@ def _generate(target, drafter, prompts, max_new_tokens, **kw):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 class TestOnGPU:
     def test_graph_steps_equal_eager_steps_in_fp32(self, tmp_path):
-        from tests.test_triton_gqa import tiny_llama
+        from helpers import tiny_llama
 
         target = tiny_llama(tmp_path, "cuda", vocab_size=256, hidden_size=576, intermediate_size=256,
                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
@@ -201,7 +201,7 @@ class TestOnGPU:
         """capture_graphs() captures every generation bucket and every one-request prompt bucket up
         front (scratch slot only): generation then captures only prompt buckets of several requests,
         and outputs equal those of an engine that captured on demand."""
-        from tests.test_triton_gqa import tiny_llama
+        from helpers import tiny_llama
 
         target = tiny_llama(tmp_path, "cuda", vocab_size=256, hidden_size=64, intermediate_size=128,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -227,7 +227,7 @@ class TestOnGPU:
         from specdec.model_runner import StepInput
         from specdec.target import load_target
 
-        from tests.test_triton_gqa import tiny_llama
+        from helpers import tiny_llama
 
         tiny_llama(tmp_path, "cpu", vocab_size=256, hidden_size=576, intermediate_size=256,
                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)

@@ -42,6 +42,7 @@ from specdec.attention.metadata import plan_step  # noqa: E402
 from specdec.attention.selector import select  # noqa: E402
 from specdec.attention.shapes import AttnShape  # noqa: E402
 from specdec.errors import ConfigError, UnsupportedShapeError  # noqa: E402
+from helpers import tiny_llama  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = triton_gqa.INTERPRETED
@@ -489,18 +490,6 @@ def test_kernel_compiles_for_sm90(dtype, d, group, q_len, splits, pdl):
 
 
 # --------------------------------------------------------------------------- engine end to end
-
-
-def tiny_llama(path, device, **kw):
-    import transformers
-
-    from specdec.target import load_target
-
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=96, eos_token_id=63)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **kw})).save_pretrained(path)
-    return load_target(path, device=device)
 
 
 def greedy_tokens(target, backend, prompts, max_new_tokens, **kw):

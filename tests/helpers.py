@@ -1,0 +1,20 @@
+"""Helpers shared by test modules: importable under plain ``pytest`` (``from helpers import ...``),
+since pytest puts the ``tests/`` folder on ``sys.path`` for its rootdir-less test modules."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama(path, device, **kw):
+    """A random Llama (vocab 64, EOS 63, 96 positions, 2 layers unless ``kw`` says otherwise) saved as a
+    real HF checkpoint under ``path`` and loaded back as a specdec target on ``device``."""
+    import transformers
+
+    from specdec.target import load_target
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=96, eos_token_id=63)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **kw})).save_pretrained(path)
+    return load_target(path, device=device)
