@@ -234,6 +234,9 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="after each specdec system's timed pass, cProfile it over its first N prompts (at least "
                          "one batch), untimed; the top 30 functions by own time go below the tables")
+    ap.add_argument("--spec-bench", default=None, metavar="QUESTION_JSONL",
+                    help="use the first turns of a Spec-Bench question.jsonl instead of HumanEval (--problems then "
+                         "picks questions by index, e.g. 0-479)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write markdown + JSON here (path without suffix)")
     args = ap.parse_args()
@@ -243,10 +246,17 @@ def main() -> None:
     target = load_target("smollm2-135m", dtype=dtype, device=args.device)
     tok = target.tokenizer
 
+    def texts(problems):
+        if args.spec_bench:  # evaluation only: first turns of the questions, in file order
+            with open(args.spec_bench) as f:
+                qs = [json.loads(line)["turns"][0] for line in f if line.strip()]
+            return [qs[i] for i in parse_range(problems)]
+        return humaneval_prompts(parse_range(problems))
+
     def encode(problems):
         return [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                             add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-                for p in humaneval_prompts(parse_range(problems))]
+                for p in texts(problems)]
 
     prompt_ids = encode(args.problems)
     hf_b1_ids = encode(args.hf_problems) if args.hf_problems else prompt_ids

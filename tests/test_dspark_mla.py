@@ -12,7 +12,8 @@ from specdec.drafters import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSpar
 from specdec.drafters.base import available_drafters, make_drafter
 from specdec.drafters.block import init_weights
 from specdec.drafters.dspark_mla import LATENT_PAGE_SIZES
-from specdec.drafters.training import TrainConfig, block_loss, build_distill_data, target_hidden_states
+from specdec.drafters.training import (TrainConfig, anchor_range, anchors_from_uniform, block_loss, distill_tokens,
+                                       target_features, target_hidden_states)
 from specdec.errors import ConfigError
 from specdec.scheduler import decide_kv_sharing
 from specdec.target.mla import MLATarget
@@ -44,14 +45,18 @@ def trained_net(target):
     """A few seconds of self-distillation, so that some drafts are accepted and some rejected."""
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))] for _ in range(24)]
-    data = build_distill_data(target, prompts, (0, 2), max_new_tokens=48, progress=False)
+    data = distill_tokens(target, prompts, max_new_tokens=48)
     net = init_weights(MLABlockDrafterNet(cfg(num_layers=1, kv_lora_rank=32)), seed=0)
     with torch.no_grad():
         net.norm.weight.copy_(target.final_norm)
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
     for _ in range(150):
-        loss = block_loss(net, target.embed, target.lm_head, data, [rng.randrange(24) for _ in range(8)], rng,
-                          TrainConfig(anchors_per_seq=8))
+        idx = [rng.randrange(24) for _ in range(8)]
+        batch = target_features(target, [data.sequence(i).tolist() for i in idx],
+                                [int(data.prompt_lens[i]) for i in idx], (0, 2), with_final=False)
+        anchors = anchors_from_uniform(*anchor_range(batch.prompt_lens, batch.lengths), torch.rand(8, 8, generator=g))
+        loss, _ = block_loss(net, target.embed, target.lm_head, batch, anchors, TrainConfig())
         opt.zero_grad()
         loss.backward()
         opt.step()

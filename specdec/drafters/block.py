@@ -63,6 +63,12 @@ class BlockDrafterConfig:
         rms_norm_eps, rope_theta: as in the target family.
         qk_norm: Qwen3-style RMSNorm of each query/key head (the public DFlash drafters have it).
         ctx_page_sizes: KV page sizes this drafter's context attention reads.
+        markov_rank: DSpark's Markov head: a rank-``markov_rank`` bias from the token before each
+            slot's label, added to the slot's hidden state before the LM head (so to its logits),
+            decoded slot by slot along the block; 0 = none (DFlash).
+        confidence_head: DSpark's confidence head: predicts each drafted token's probability of
+            acceptance (given the slots before it were accepted) from the slot's hidden state and
+            its logits' top probability and entropy.
     """
 
     block_size: int
@@ -81,9 +87,15 @@ class BlockDrafterConfig:
     rope_theta: float = 100000.0
     qk_norm: bool = False
     ctx_page_sizes: tuple[int, ...] = (8, 16, 32, 64)
+    markov_rank: int = 0
+    confidence_head: bool = False
 
     def __post_init__(self) -> None:
         output_slots(self.block_size, self.shift_label)  # validates both
+        if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+            raise ConfigError(f"markov_rank must be an integer >= 0 (0 = no Markov head), got {self.markov_rank!r}")
+        if not isinstance(self.confidence_head, bool):
+            raise ConfigError(f"confidence_head must be True or False, got {self.confidence_head!r}")
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         object.__setattr__(self, "ctx_page_sizes", tuple(int(i) for i in self.ctx_page_sizes))
         if not self.target_layer_ids:
@@ -163,6 +175,35 @@ class RopeTable:
         return self.cos[pos], self.sin[pos]
 
 
+def slot_logits(net, h: torch.Tensor, prev: torch.Tensor, lm_head: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+    """Logits of drafting slots: ``h`` ``[..., hidden]`` (normalised block output), ``prev`` ``[...]``
+    the token before each slot's label (the Markov head's input; ignored without one) → ``[..., vocab]``."""
+    if getattr(net, "markov", None) is not None:
+        h = h + net.markov_bias(embed[prev].to(h.dtype))
+    return F.linear(h, lm_head.to(h.dtype))
+
+
+def draft_from_hidden(net, h: torch.Tensor, first_prev: torch.Tensor, lm_head: torch.Tensor, embed: torch.Tensor,
+                      with_confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy drafts of ``W`` slots: ``h`` ``[N, W, hidden]``, ``first_prev`` ``[N]`` (the anchor token)
+    → tokens ``[N, W]`` int64 and, if asked and the net has a confidence head, per-slot acceptance
+    probabilities ``[N, W]`` fp32. With a Markov head the slots are decoded in turn (each slot's
+    bias comes from the token drafted before it); without one, in one matmul."""
+    N, W, _ = h.shape
+    markov = getattr(net, "markov", None) is not None
+    conf_head = with_confidence and getattr(net, "confidence", None) is not None
+    if not markov and not conf_head:
+        return F.linear(h.reshape(N * W, -1), lm_head.to(h.dtype)).argmax(-1).view(N, W), None
+    toks, confs, prev = [], [], first_prev
+    for j in range(W):
+        logits = slot_logits(net, h[:, j], prev, lm_head, embed)
+        prev = logits.argmax(-1)
+        toks.append(prev)
+        if conf_head:
+            confs.append(torch.sigmoid(net.confidence_logit(h[:, j], logits)))
+    return torch.stack(toks, 1), torch.stack(confs, 1).float() if conf_head else None
+
+
 def block_mask(ctx_valid: torch.Tensor, block_size: int) -> torch.Tensor:
     """Attention mask of a block over ``[context ; block]``: ``[N, Lc]`` → ``[N, 1, 1, Lc + B]``, True = attend.
 
@@ -215,6 +256,23 @@ class BlockDrafterNet(nn.Module):
         self.hidden_norm = _Norm(c.hidden_size)
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
         self.norm = _Norm(c.hidden_size)
+        self.markov = None
+        if c.markov_rank:
+            self.markov = nn.Module()
+            self.markov.down, self.markov.up = _linear(c.hidden_size, c.markov_rank), _linear(c.markov_rank, c.hidden_size)
+        self.confidence = nn.Linear(c.hidden_size + 2, 1) if c.confidence_head else None
+
+    def markov_bias(self, prev_embed: torch.Tensor) -> torch.Tensor:
+        """The Markov head's bias in hidden space from the previous token's embedding:
+        ``[..., hidden]`` → ``[..., hidden]`` (rank ``markov_rank``; ``up`` starts at zero)."""
+        return self.markov.up(self.markov.down(prev_embed))
+
+    def confidence_logit(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Acceptance logit of each drafted token: slot hidden states ``[..., hidden]`` and their
+        logits ``[..., vocab]`` → ``[...]`` (sigmoid of it: the probability of acceptance)."""
+        lsm = torch.log_softmax(logits.float(), -1)
+        stats = torch.stack([lsm.max(-1).values, -(lsm.exp() * lsm).sum(-1)], -1)
+        return self.confidence(torch.cat([h, stats.to(h.dtype)], -1)).squeeze(-1)
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """``[n, len(target_layer_ids) * target_hidden]`` → context features ``[n, hidden]``."""
@@ -320,4 +378,6 @@ def init_weights(net: BlockDrafterNet, seed: int = 0, std: float = 0.02) -> Bloc
                 p.copy_(torch.randn(p.shape, generator=g) * std)
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     p.mul_(1 / math.sqrt(2 * net.config.num_layers))
+                if name == "markov.up.weight":
+                    p.zero_()  # the Markov head starts as no bias
     return net

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specdec.capture import capture
 from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, register_drafter
-from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, RopeTable, block_mask, output_slots
+from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, RopeTable, block_mask, draft_from_hidden,
+                                    output_slots)
 from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
 from specdec.graphs import next_pow2
 from specdec.kvcache.pool import LayerSpec
@@ -283,8 +283,8 @@ class BlockDrafter(Drafter):
                   for i in range(c.num_layers)]  # [rows, cols, Hkv, hd] each
         h = self.net.run_block(self._embed[ids], self._rope(pos), ctx_kv, block_mask(valid, B))  # [rows, B, hidden]
         first = self._slots.start
-        h = h[:, first:first + width].reshape(-1, h.shape[-1])  # [rows * width, hidden]
-        return F.linear(h, self._lm_head).argmax(-1).view(-1, width)
+        toks, _ = draft_from_hidden(self.net, h[:, first:first + width], ids[:, 0], self._lm_head, self._embed)
+        return toks  # [rows, width]
 
     def _replay(self, packed: torch.Tensor, cols: int) -> torch.Tensor:
         """Drafted tokens ``[rows, draft_width]`` of the bucket's graph (captured on first use)."""

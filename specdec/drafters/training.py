@@ -1,30 +1,50 @@
 """Train a block drafter (DFlash or DSpark) by self-distillation from its target.
 
-Data: the target's own greedy responses to training prompts (HumanEval 0-99
-and prompts built from real text on the machine: standard-library code and
-installed packages' descriptions; never HumanEval 100-163), generated with
-:class:`~specdec.SpecEngine` (lossless, so a drafter only makes it faster).
-Each sequence's target hidden states at ``target_layer_ids`` are recorded once.
+Data: :class:`~specdec.drafters.data.TokenData`, token ids of prompts no evaluation uses and the
+target's own responses (``python -m specdec.drafters.data``). The target's hidden states are
+computed on the fly by the target's own forward (:func:`target_features`), one packed context
+pass per batch; the target stays frozen.
 
-Training: random anchors in the response; the block is ``[anchor, mask, ...]``,
-its context the hidden states of every position before the anchor;
-cross-entropy over the drafting slots (:func:`output_slots`) with weights
-decaying with distance from the anchor. The target stays frozen.
+One step (:func:`block_loss`), for ``S`` sequences and ``A`` anchors each, all in one pass:
+
+- anchors are drawn uniformly in each response (:func:`anchors_from_uniform`); a block is
+  ``[anchor token, mask, ..., mask]`` at positions ``anchor .. anchor + B - 1``; it sees the
+  context strictly before its anchor and every slot of its own block, nothing else
+  (:func:`anchor_block_mask`): the ``A * B`` slots of a sequence run as one query set over the
+  sequence's context keys, so the context K/V are computed once per sequence, not per anchor;
+- the loss mix, weighted per drafting slot ``j`` by ``exp(-j / decay)``: cross-entropy to the
+  data's next tokens; for DSpark, also the total variation distance to the target's own
+  distribution at that position, and the confidence head's binary cross-entropy against
+  "the drafted token is the target's" (:attr:`TrainConfig.tv_weight`, ``confidence_weight``);
+  logits are made and reduced in chunks of rows (recomputed in the backward pass).
+
+Schedule (:func:`lr_factor`): the number of steps is fixed first (a time budget is converted into
+steps by timing a few forward/backward passes); warm-up over ``warmup_frac`` of them, then cosine
+to ``min_lr_frac`` of the peak. AdamW with gradient clipping, bf16 autocast on CUDA.
+
+Validation: simulated mean accepted length (tau) on held-out greedy sequences, with the engine's
+acceptance rule (drafts accepted while they equal the target's greedy tokens, plus the bonus
+token), every ``val_every`` steps; the best checkpoint is kept. A run saves its state
+(``train_state.json`` beside the weights: step, planned steps, schedule, histories) and
+resumes from it on the same learning-rate curve (AdamW moments restart).
 """
 
 from __future__ import annotations
 
+import json
 import math
-import random
-import sysconfig
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights, label_offsets, output_slots
-from specdec.errors import ConfigError
+from specdec.drafters.block import draft_from_hidden, init_weights, label_offsets, output_slots, rope_cos_sin, slot_logits
+from specdec.drafters.data import TokenData
+from specdec.errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,209 +52,608 @@ class TrainConfig:
     """Training hyper-parameters.
 
     Attributes:
-        steps: optimizer steps.
-        seqs_per_step: sequences per batch.
-        anchors_per_seq: random anchors (blocks) per sequence.
-        lr: peak AdamW learning rate (linear warm-up, cosine decay).
-        decay: loss weight of slot ``j`` (0-based drafting slot) is ``exp(-j / decay)``.
-        seed: RNG seed.
-        max_seconds: if set, ``steps`` is cut after 10 timed steps so training fits this budget.
+        steps: planned optimizer steps (the schedule's length).
+        seqs_per_step: sequences per batch (``S``).
+        anchors_per_seq: anchors (blocks) per sequence (``A``).
+        lr: peak AdamW learning rate.
+        warmup_frac: share of the planned steps spent warming up linearly.
+        min_lr_frac: the cosine ends at this share of ``lr``.
+        weight_decay: AdamW weight decay.
+        decay: loss weight of drafting slot ``j`` (0-based) is ``exp(-j / decay)``.
+        tv_weight: weight of the total-variation loss against the target's distribution.
+        confidence_weight: weight of the confidence head's loss (nets with a confidence head).
+        max_len: sequences are cut to their first ``max_len`` tokens.
+        max_seconds: if set, ``steps`` becomes what fits this budget (timed before the schedule
+            is built; validation time included).
+        val_every: validate every this many steps (and at the end); 0 = only at the end.
+        val_anchors: anchors per validation sequence.
+        seed: RNG seed (init, batches, anchors).
     """
 
     steps: int = 1000
     seqs_per_step: int = 16
     anchors_per_seq: int = 32
     lr: float = 6e-4
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.1
+    weight_decay: float = 0.01
     decay: float = 4.0
-    seed: int = 0
+    tv_weight: float = 0.0
+    confidence_weight: float = 0.0
+    max_len: int = 1024
     max_seconds: float | None = None
+    val_every: int = 200
+    val_anchors: int = 16
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seqs_per_step", "anchors_per_seq"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "seqs_per_step", "anchors_per_seq", "max_len", "val_anchors"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.val_every, int) or self.val_every < 0:
+            raise ConfigError(f"val_every must be an integer >= 0, got {self.val_every!r}")
         if not self.lr > 0 or not self.decay > 0:
             raise ConfigError(f"lr and decay must be > 0, got {self.lr}, {self.decay}")
+        if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_frac <= 1:
+            raise ConfigError(f"warmup_frac must be in [0, 1) and min_lr_frac in [0, 1], "
+                              f"got {self.warmup_frac}, {self.min_lr_frac}")
+        if self.tv_weight < 0 or self.confidence_weight < 0 or self.weight_decay < 0:
+            raise ConfigError("tv_weight, confidence_weight and weight_decay must be >= 0")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ConfigError(f"max_seconds must be > 0 or None, got {self.max_seconds!r}")
 
 
-def training_prompts(num_text_prompts: int = 400, seed: int = 0) -> list[str]:
-    """HumanEval 0-99 plus prompts from real text on this machine (stdlib code, package descriptions)."""
-    from importlib import metadata
-
-    from specdec.prompts import DEV_SPLIT, humaneval_prompts
-
-    rng = random.Random(seed)
-    prompts = humaneval_prompts(DEV_SPLIT)
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    texts = []
-    for _ in range(num_text_prompts * 3 // 4):
-        lines = rng.choice(files).read_text(errors="ignore").splitlines()
-        if len(lines) < 40:
-            continue
-        start = rng.randrange(0, len(lines) - 30)
-        chunk = "\n".join(lines[start:start + rng.randint(12, 30)])
-        ask = rng.choice(["Explain what this Python code does.", "Continue this Python code.",
-                          "Write a docstring for this code.", "Rewrite this code to be clearer."])
-        texts.append(f"{ask}\n\n```python\n{chunk}\n```")
-    descs = [d.metadata.get("Summary") or "" for d in metadata.distributions()]
-    descs = [d for d in descs if len(d) > 20]
-    for d in rng.sample(descs, min(len(descs), num_text_prompts - len(texts))):
-        texts.append(rng.choice(["Explain in a paragraph what a Python package described as follows is for: ",
-                                 "Write example Python code using a library described as: "]) + d)
-    return prompts + texts
+def lr_factor(step: int, planned: int, warmup_frac: float, min_lr_frac: float) -> float:
+    """Share of the peak learning rate at ``step`` (0-based) of ``planned`` steps: linear warm-up
+    over ``ceil(warmup_frac * planned)`` steps, then cosine from 1 to ``min_lr_frac`` at the last step."""
+    warm = math.ceil(warmup_frac * planned)
+    if step < warm:
+        return (step + 1) / warm
+    span = max(1, planned - 1 - warm)
+    t = min(1.0, (step - warm) / span)
+    return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+# -- batches ----------------------------------------------------------------------------------------
 @dataclass
-class DistillData:
-    """Self-distillation data: token ids and target hidden states of each sequence."""
+class FeatureBatch:
+    """``S`` sequences, padded to ``L`` positions, with the target's features.
 
-    tokens: list[torch.Tensor]  # each [L] long
-    hidden: list[torch.Tensor]  # each [L, len(layer_ids) * hidden]
-    prompt_lens: list[int]
-    layer_ids: tuple[int, ...]
+    Attributes:
+        tokens: ``[S, L]`` int64 ids (0 past each length).
+        lengths: ``[S]`` int64.
+        prompt_lens: ``[S]`` int64.
+        feats: ``[S, L, len(layer_ids) * hidden]`` target hidden states of the tapped layers.
+        final: ``[S, L, hidden]`` the target's last hidden state (before its final norm), or ``None``.
+    """
 
-    def save(self, path: str | Path) -> None:
-        torch.save({"tokens": self.tokens, "hidden": self.hidden, "prompt_lens": self.prompt_lens,
-                    "layer_ids": self.layer_ids}, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "DistillData":
-        d = torch.load(path, weights_only=True)
-        return cls(d["tokens"], d["hidden"], d["prompt_lens"], tuple(d["layer_ids"]))
-
-
-@torch.inference_mode()
-def build_distill_data(target, prompts, layer_ids, max_new_tokens: int = 256, batch_size: int = 64,
-                       progress: bool = True) -> DistillData:
-    """The target's greedy responses to ``prompts`` and its hidden states over prompt + response."""
-    from specdec import SamplingParams, SpecEngine
-    from specdec.drafters import SuffixAutomatonDrafter
-
-    engine = SpecEngine(target, SuffixAutomatonDrafter(), max_num_seqs=batch_size)
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens), progress=progress)
-    data = DistillData([], [], [], tuple(layer_ids))
-    it = outs
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(outs, desc="hidden states", unit="seq")
-    for out in it:
-        ids = list(out.prompt_token_ids) + list(out.token_ids)
-        hidden = target_hidden_states(target, ids, layer_ids)
-        data.tokens.append(torch.tensor(ids, device=hidden.device))
-        data.hidden.append(hidden)
-        data.prompt_lens.append(len(out.prompt_token_ids))
-    return data
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lens: torch.Tensor
+    feats: torch.Tensor
+    final: torch.Tensor | None = None
 
 
-def target_hidden_states(target, ids: list[int], layer_ids) -> torch.Tensor:
-    """Hidden states of ``layer_ids`` over ``ids`` (one context pass), ``[L, len(layer_ids) * hidden]``."""
+@torch.no_grad()
+def target_features(target, seqs: list[list[int]], prompt_lens: list[int], layer_ids, pad_to: int = 64,
+                    with_final: bool = True) -> FeatureBatch:
+    """Run the target once over ``seqs`` (one packed context step over a scratch KV pool) and
+    return their tapped hidden states, padded to a multiple of ``pad_to`` positions."""
     from specdec.attention.metadata import plan_step
     from specdec.kvcache import KVCacheManager, KVPool
 
-    tpb = 16
-    pages = -(-len(ids) // tpb)
-    pool, mgr = KVPool(target.layer_specs(), pages, tpb, device=target.device), KVCacheManager(pages, tpb)
-    mgr.allocate(0, len(ids))
-    slots = torch.tensor(mgr.slots(0, 0, len(ids)), device=target.device)
-    attn = plan_step([(len(ids), len(ids), tuple(mgr.page_table(0)))], [], slots,
-                     lambda p, q, m: target.attn_shape(p, q, tpb, m), tpb)
-    x = torch.tensor(ids, device=target.device)
-    _, cap = target.forward(x, torch.arange(len(ids), device=target.device), attn, pool, hidden_layer_ids=layer_ids)
-    return torch.cat([cap[i] for i in layer_ids], -1)
+    tpb, dev = 16, target.device
+    pages = sum(-(-len(s) // tpb) for s in seqs)
+    pool, mgr = KVPool(target.layer_specs(), pages, tpb, device=dev), KVCacheManager(pages, tpb)
+    ctx, slots, pos, ids = [], [], [], []
+    for i, s in enumerate(seqs):
+        mgr.allocate(i, len(s))
+        slots += mgr.slots(i, 0, len(s))
+        ctx.append((len(s), len(s), tuple(mgr.page_table(i))))
+        pos += range(len(s))
+        ids += s
+    attn = plan_step(ctx, [], torch.tensor(slots, device=dev), lambda p, q, m: target.attn_shape(p, q, tpb, m), tpb)
+    final, cap = target.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, pool,
+                                hidden_layer_ids=tuple(layer_ids))
+    packed = torch.cat([cap[i] for i in layer_ids], -1)  # [T, F]
+    S, L = len(seqs), -(-max(len(s) for s in seqs) // pad_to) * pad_to
+    lengths = torch.tensor([len(s) for s in seqs], device=dev)
+    valid = torch.arange(L, device=dev) < lengths[:, None]  # [S, L]
+    feats = packed.new_zeros(S, L, packed.shape[-1])
+    feats[valid] = packed
+    tokens = torch.zeros(S, L, dtype=torch.long, device=dev)
+    tokens[valid] = torch.tensor(ids, device=dev)
+    fin = None
+    if with_final:
+        fin = final.new_zeros(S, L, final.shape[-1])
+        fin[valid] = final
+    return FeatureBatch(tokens, lengths, torch.tensor(prompt_lens, device=dev), feats, fin)
 
 
-def block_loss(net: BlockDrafterNet, embed: torch.Tensor, lm_head: torch.Tensor, data: DistillData,
-               seq_ids: list[int], rng: random.Random, cfg: TrainConfig) -> torch.Tensor:
-    """Weighted cross-entropy of random anchor blocks from ``seq_ids``."""
+def target_hidden_states(target, ids: list[int], layer_ids) -> torch.Tensor:
+    """Hidden states of ``layer_ids`` over one sequence ``ids``: ``[len(ids), len(layer_ids) * hidden]``."""
+    return target_features(target, [list(ids)], [0], layer_ids, pad_to=1, with_final=False).feats[0]
+
+
+def anchors_from_uniform(lo: torch.Tensor, hi: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Anchors ``[S, A]`` uniform in ``[lo, hi]`` (inclusive, per sequence) from uniforms ``u`` ``[S, A]``
+    in ``[0, 1)``; a sequence with ``hi < lo`` gets ``-1`` (no anchor)."""
+    span = (hi - lo + 1).clamp(min=0)[:, None]
+    a = lo[:, None] + (u * span).floor().long().clamp(max=(span - 1).clamp(min=0))
+    return torch.where(span > 0, a, torch.full_like(a, -1))
+
+
+def anchor_range(prompt_lens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where anchors may sit: from the first response position (the first token the engine drafts
+    after; at least 1, so that there is context) to the second-to-last position (one label)."""
+    return prompt_lens.clamp(min=1), lengths - 2
+
+
+def block_labels(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """The token each drafting slot predicts: ``tokens[s, anchor + offset]``, ``-100`` past the
+    sequence (or for a missing anchor). Shapes: ``[S, L]``, ``[S]``, ``[S, A]`` → ``[S, A, W]``."""
+    off = torch.tensor(offsets, device=tokens.device)
+    pos = anchors[..., None] + off  # [S, A, W]
+    ok = (anchors[..., None] >= 0) & (pos < lengths[:, None, None])
+    lab = tokens.gather(1, pos.clamp(0, tokens.shape[1] - 1).flatten(1)).view_as(pos)
+    return torch.where(ok, lab, torch.full_like(lab, -100))
+
+
+def anchor_block_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
+    """Attention mask of ``A`` blocks of one sequence run as ``A * B`` queries over ``[context ;
+    all blocks]``: ``[S, A]`` → ``[S, 1, A * B, ctx_len + A * B]``, True = attend. A slot sees the
+    context strictly before its block's anchor and every slot of its own block."""
+    S, A = anchors.shape
+    dev = anchors.device
+    q_anchor = anchors.repeat_interleave(block_size, 1)  # [S, A*B]
+    ctx = torch.arange(ctx_len, device=dev)[None, None, :] < q_anchor[..., None]  # [S, A*B, Lc]
+    blk = torch.arange(A, device=dev).repeat_interleave(block_size)
+    own = (blk[:, None] == blk[None, :]).expand(S, -1, -1)  # [S, A*B, A*B]
+    return torch.cat([ctx, own], -1)[:, None]
+
+
+# -- the loss -----------------------------------------------------------------------------------------
+def block_hidden(net, embed: torch.Tensor, batch: FeatureBatch, anchors: torch.Tensor) -> torch.Tensor:
+    """Every block of every anchor through the network in one pass: ``[S, A, B, hidden]``."""
     c = net.config
-    B, dev = c.block_size, embed.device
-    offsets = label_offsets(B, c.shift_label)
-    slots = list(output_slots(B, c.shift_label))
-    lmax = max(len(data.tokens[s]) for s in seq_ids)
-    feats = torch.zeros(len(seq_ids), lmax, data.hidden[0].shape[1], device=dev, dtype=data.hidden[0].dtype)
-    blocks, anchors, labels, owner = [], [], [], []
-    for j, s in enumerate(seq_ids):
-        toks, n = data.tokens[s], len(data.tokens[s])
-        feats[j, :n] = data.hidden[s]
-        lo = max(1, data.prompt_lens[s] - 1)
-        for _ in range(cfg.anchors_per_seq):
-            a = rng.randrange(lo, n - 1)
-            lab = [int(toks[a + o]) if a + o < n else -100 for o in offsets]
-            blocks.append([int(toks[a])] + [c.mask_token_id] * (B - 1))
-            anchors.append(a)
-            labels.append(lab)
-            owner.append(j)
-    owner_t = torch.tensor(owner, device=dev)
-    anchor_t = torch.tensor(anchors, device=dev)
-    ctx = net.project_context(feats)  # [S, Lmax, hidden]
-    pos = torch.arange(lmax, device=dev)
-    ctx_kv = []
-    for i in range(c.num_layers):
-        k, v = net.context_kv(i, ctx, pos.expand(len(seq_ids), -1))
-        ctx_kv.append((k[owner_t], None if v is None else v[owner_t]))  # v None: K-only latent layers
-    valid = pos[None, :] < anchor_t[:, None]  # block sees context strictly before its anchor
-    ids = torch.tensor(blocks, device=dev)
-    h = net.forward_block(embed[ids].to(ctx.dtype), anchor_t[:, None] + torch.arange(B, device=dev), ctx_kv, valid)
-    logits = F.linear(h[:, slots], lm_head.to(h.dtype)).float()  # [N, width, vocab]
-    lab = torch.tensor(labels, device=dev)
-    w = torch.exp(-torch.arange(len(slots), device=dev, dtype=torch.float32) / cfg.decay)
-    ce = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100, reduction="none").view_as(lab.float())
-    mask = (lab != -100).float() * w
-    return (ce * mask).sum() / mask.sum()
+    S, A = anchors.shape
+    B = c.block_size
+    ctx = net.project_context(batch.feats)  # [S, L, hidden]
+    L = ctx.shape[1]
+    pos_ctx = torch.arange(L, device=ctx.device).expand(S, -1)
+    ctx_kv = [net.context_kv(i, ctx, pos_ctx) for i in range(c.num_layers)]
+    safe = anchors.clamp(min=0)
+    first = batch.tokens.gather(1, safe)  # [S, A] anchor tokens
+    ids = torch.full((S, A, B), c.mask_token_id, dtype=torch.long, device=ctx.device)
+    ids[:, :, 0] = first
+    pos = safe[..., None] + torch.arange(B, device=ctx.device)  # [S, A, B]
+    rope = rope_cos_sin(pos.flatten(1), net.rope_dim, c.rope_theta, ctx.device)
+    mask = anchor_block_mask(anchors, B, L)
+    h = net.run_block(embed[ids.flatten(1)].to(ctx.dtype), rope, ctx_kv, mask)  # [S, A*B, hidden]
+    return h.view(S, A, B, -1)
 
 
-def train_block_drafter(target, data: DistillData, config: BlockDrafterConfig, train: TrainConfig,
-                        progress: bool = True, log_every: int = 50) -> tuple[BlockDrafterNet, list[float]]:
-    """Train a block drafter on ``data`` with the target frozen; returns the network and the loss curve."""
-    if tuple(config.target_layer_ids) != tuple(data.layer_ids):
-        raise ConfigError(f"target_layer_ids {config.target_layer_ids} must equal the data's {data.layer_ids}")
-    torch.manual_seed(train.seed)
-    rng = random.Random(train.seed)
-    net = init_weights(BlockDrafterNet(config), seed=train.seed)
-    with torch.no_grad():  # start from the target's own output norm: the LM head expects its scale
-        if config.hidden_size == target.hidden_size and hasattr(target, "final_norm"):
-            net.norm.weight.copy_(target.final_norm.float().cpu())
-    net = net.to(target.device).train()
-    opt = torch.optim.AdamW(net.parameters(), lr=train.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    total = [train.steps]  # may shrink to fit max_seconds; the schedule follows it
-    warm = max(1, train.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total[0]))))
+def block_loss(net, embed: torch.Tensor, lm_head: torch.Tensor, batch: FeatureBatch, anchors: torch.Tensor,
+               tc: TrainConfig, target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               chunk_rows: int = 2048) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted loss of the blocks at ``anchors`` ``[S, A]`` (``-1``: none) over ``batch``.
+
+    Args:
+        target_logits: the target's logits of its final hidden states (``target.compute_logits``);
+            needed for the total-variation term (``tc.tv_weight > 0``).
+        chunk_rows: logits are made ``chunk_rows`` rows at a time and recomputed in backward.
+
+    Returns:
+        ``(loss, metrics)``; metrics: ``ce``, ``tv``, ``conf`` (per weighted slot), ``acc`` (share
+        of labelled slots whose greedy draft is right).
+    """
+    c = net.config
+    offsets = label_offsets(c.block_size, c.shift_label)
+    slots = list(output_slots(c.block_size, c.shift_label))
+    W = len(slots)
+    h = block_hidden(net, embed, batch, anchors)[:, :, slots]  # [S, A, W, hidden]
+    labels = block_labels(batch.tokens, batch.lengths, anchors, offsets)  # [S, A, W]
+    prev_pos = (anchors.clamp(min=0)[..., None] + torch.tensor(offsets, device=h.device) - 1)
+    prev = batch.tokens.gather(1, prev_pos.clamp(max=batch.tokens.shape[1] - 1).flatten(1)).view_as(prev_pos)
+    w = torch.exp(-torch.arange(W, device=h.device, dtype=torch.float32) / tc.decay).expand_as(labels)
+    keep = labels != -100
+    rows_h, rows_lab, rows_prev, rows_w = h[keep], labels[keep], prev[keep], w[keep]
+    use_tv = tc.tv_weight > 0 and target_logits is not None and batch.final is not None
+    use_conf = tc.confidence_weight > 0 and getattr(net, "confidence", None) is not None
+    rows_fin = batch.final.gather(1, prev_pos.clamp(max=batch.tokens.shape[1] - 1).flatten(1)[..., None]
+                                  .expand(-1, -1, batch.final.shape[-1])).view(*prev_pos.shape, -1)[keep] \
+        if use_tv else None
+
+    def chunk(hc, lab, pv, wc, fin):
+        logits = slot_logits(net, hc, pv, lm_head, embed).float()  # [n, vocab]
+        ce = F.cross_entropy(logits, lab, reduction="none")
+        out = [(ce * wc).sum(), ((logits.argmax(-1) == lab).float()).sum()]
+        tv = torch.zeros((), device=hc.device)
+        if fin is not None:
+            p = torch.softmax(target_logits(fin).float(), -1)
+            tv = 0.5 * (torch.softmax(logits, -1) - p).abs().sum(-1)
+            tv = (tv * wc).sum()
+        conf = torch.zeros((), device=hc.device)
+        if use_conf:
+            hit = (logits.argmax(-1) == lab).float()
+            conf = (F.binary_cross_entropy_with_logits(net.confidence_logit(hc, logits.detach()).float(), hit,
+                                                       reduction="none") * wc).sum()
+        return torch.stack([out[0], tv, conf, out[1]])
+
+    n = rows_h.shape[0]
+    totals = torch.zeros(4, device=h.device)
+    for a in range(0, n, chunk_rows):
+        sl = slice(a, a + chunk_rows)
+        args = (rows_h[sl], rows_lab[sl], rows_prev[sl], rows_w[sl], None if rows_fin is None else rows_fin[sl])
+        totals = totals + (checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+    wsum = rows_w.sum().clamp(min=1e-6)
+    ce, tv, conf = totals[0] / wsum, totals[1] / wsum, totals[2] / wsum
+    loss = ce + (tc.tv_weight * tv if use_tv else 0) + (tc.confidence_weight * conf if use_conf else 0)
+    metrics = {"ce": ce.item(), "tv": tv.item(), "conf": conf.item(), "acc": (totals[3] / max(1, n)).item()}
+    return loss, metrics
+
+
+# -- validation -----------------------------------------------------------------------------------------
+@torch.no_grad()
+def simulated_tau(net, target, data: TokenData, tc: TrainConfig, seqs_per_batch: int = 16) -> dict[str, float]:
+    """Mean accepted length on ``data`` (greedy sequences) with the engine's rule: each anchor's draft
+    is accepted while it equals the data's next tokens (the target's greedy continuation), plus one
+    bonus token; drafts are decoded as at inference (:func:`draft_from_hidden`).
+
+    Returns:
+        ``tau``, ``anchors``, and with a confidence head ``conf_ece`` (expected calibration error of
+        the per-slot acceptance probabilities, 10 bins) and ``conf_mean`` / ``hit_mean``.
+    """
+    c = net.config
+    offsets = label_offsets(c.block_size, c.shift_label)
+    slots = list(output_slots(c.block_size, c.shift_label))
+    g = torch.Generator(device="cpu").manual_seed(tc.seed + 1)
+    taus, confs, hits = [], [], []
+    was_training = net.training
+    net.eval()
+    for start in range(0, len(data), seqs_per_batch):
+        idx = range(start, min(len(data), start + seqs_per_batch))
+        seqs = [data.sequence(i)[: tc.max_len].tolist() for i in idx]
+        batch = target_features(target, seqs, [int(data.prompt_lens[i]) for i in idx], net.config.target_layer_ids,
+                                with_final=False)
+        batch.feats = batch.feats.to(net.fc.weight.dtype)
+        lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
+        u = torch.rand(len(seqs), tc.val_anchors, generator=g).to(lo.device)
+        anchors = anchors_from_uniform(lo, hi, u)
+        with _autocast(target.device):
+            h = block_hidden(net, target.embed, batch, anchors)[:, :, slots]  # [S, A, W, D]
+            S, A, W, D = h.shape
+            first = batch.tokens.gather(1, anchors.clamp(min=0))
+            toks, conf = draft_from_hidden(net, h.reshape(S * A, W, D), first.flatten(), target.lm_head,
+                                           target.embed, with_confidence=True)
+        labels = block_labels(batch.tokens, batch.lengths, anchors, offsets).view(S * A, W)
+        ok = anchors.flatten() >= 0
+        match = (toks == labels) & (labels != -100)
+        run = match.long().cumprod(1)  # 1 while every draft so far matched
+        taus.append((1 + run.sum(1))[ok].float().cpu())
+        if conf is not None:  # calibration of P(accept slot j | slots < j accepted)
+            prior = torch.cat([torch.ones_like(run[:, :1]), run[:, :-1]], 1).bool() & (labels != -100)
+            sel = prior & ok[:, None]
+            confs.append(conf[sel].float().cpu())
+            hits.append(match[sel].float().cpu())
+    net.train(was_training)
+    tau = torch.cat(taus)
+    out = {"tau": tau.mean().item() if len(tau) else float("nan"), "anchors": len(tau)}
+    if confs:
+        cf, ht = torch.cat(confs), torch.cat(hits)
+        bins = (cf * 10).clamp(max=9.999).long()
+        ece = sum((cf[bins == b].mean() - ht[bins == b].mean()).abs().item() * (bins == b).sum().item()
+                  for b in range(10) if (bins == b).any()) / max(1, len(cf))
+        out.update(conf_ece=ece, conf_mean=cf.mean().item(), hit_mean=ht.mean().item())
+    return out
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+# -- the loop -----------------------------------------------------------------------------------------------
+def _sample_batch(target, data: TokenData, order: list[int], cursor: int, tc: TrainConfig, layer_ids,
+                  with_final: bool) -> FeatureBatch:
+    idx = [order[(cursor + j) % len(order)] for j in range(tc.seqs_per_step)]
+    seqs = [data.sequence(i)[: tc.max_len].tolist() for i in idx]
+    return target_features(target, seqs, [int(data.prompt_lens[i]) for i in idx], layer_ids, with_final=with_final)
+
+
+def _order(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def train_block_drafter(target, data: TokenData, net, tc: TrainConfig, val: TokenData | None = None,
+                        out: str | Path | None = None, resume: str | Path | None = None, progress: bool = True,
+                        log: Callable[[str], None] | None = None,
+                        stop_after_seconds: float | None = None) -> tuple[object, dict]:
+    """Train ``net`` (a block drafter network, freshly made or loaded) on ``data``.
+
+    Args:
+        data: training sequences; ``val``: held-out greedy sequences for simulated tau.
+        out: folder for the best checkpoint (weights + ``training.json`` + ``train_state.json``);
+            ``None`` keeps it in memory only.
+        resume: a folder written by an earlier run (``out`` of it): weights, step, planned steps
+            and histories are taken from it and training continues on the same curve.
+        stop_after_seconds: stop (and save the state) after this much wall time, whatever the
+            plan: a plan longer than one machine's lease runs over several resumed runs.
+
+    Returns:
+        ``(net, record)``: the best network by validation tau (the last one without ``val``) and the
+        training record (the contents of ``training.json``).
+    """
+    log = log or (lambda s: None)
+    dev = target.device
+    layer_ids = tuple(net.config.target_layer_ids)
+    torch.manual_seed(tc.seed)
+    state = _read_state(resume) if resume is not None else None
+    if state is not None:
+        net.load_state_dict(type(net).load(resume).state_dict())
+    net = net.to(device=dev, dtype=torch.float32).train()
+    decay, no_decay = [], []
+    for name, p in net.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
     embed, lm_head = target.embed.detach(), target.lm_head.detach()
-    amp = target.device.type == "cuda"
-    losses = []
+    with_final = tc.tv_weight > 0
+    tlogits = target.compute_logits if with_final else None
+    record = state["record"] if state else {"train": asdict(tc), "losses": [], "lr": [], "val": [],
+                                            "tokens_seen": 0, "seconds": 0.0, "sequences": len(data)}
+    step = state["step"] if state else 0
+    planned = state["planned"] if state else tc.steps
+    epoch, cursor = (state["epoch"], state["cursor"]) if state else (0, 0)
+    order = _order(len(data), tc.seed, epoch)
+    gen = torch.Generator(device="cpu").manual_seed(tc.seed * 7919 + step)
+
+    def one_step(update: bool) -> tuple[float, dict, int]:
+        nonlocal cursor, epoch, order
+        batch = _sample_batch(target, data, order, cursor, tc, layer_ids, with_final)
+        cursor += tc.seqs_per_step
+        if cursor >= len(order):
+            epoch, cursor = epoch + 1, 0
+            order = _order(len(data), tc.seed, epoch)
+        lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
+        anchors = anchors_from_uniform(lo, hi, torch.rand(len(lo), tc.anchors_per_seq, generator=gen).to(dev))
+        with _autocast(dev):
+            loss, m = block_loss(net, embed, lm_head, batch, anchors, tc, tlogits)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if update:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item(), m, int(batch.lengths.sum())
+
+    if state is None and tc.max_seconds:  # turn the time budget into planned steps, before any update
+        snap = (cursor, epoch, order)
+        for _ in range(2):
+            one_step(False)  # warm-up: kernels, allocator
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            one_step(False)
+        _sync(dev)
+        per_step = (time.perf_counter() - t0) / 5
+        val_s = 0.0
+        if val is not None and len(val):
+            t1 = time.perf_counter()
+            simulated_tau(net, target, val, tc)
+            _sync(dev)
+            val_s = time.perf_counter() - t1
+        n_val = lambda n: (n // tc.val_every if tc.val_every else 0) + 1  # noqa: E731
+        planned = tc.steps
+        while planned > 1 and planned * per_step + n_val(planned) * val_s > tc.max_seconds:
+            planned = int(planned * 0.97)
+        cursor, epoch, order = snap
+        log(f"time budget {tc.max_seconds:.0f} s: {per_step * 1000:.0f} ms a step, {val_s:.1f} s a validation "
+            f"-> {planned} planned steps")
+    record["planned_steps"] = planned
+    best = max((v["tau"] for v in record["val"]), default=-1.0)
+    best_state = None
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=train.steps, desc=f"train {'dflash' if config.shift_label == 0 else 'dspark'}")
-    import time
-
-    t_start, step = time.perf_counter(), 0
-    while step < total[0]:
-        if step == 10:  # the first steps pay for compilation and allocator warm-up
-            t_warm = time.perf_counter()
-        if train.max_seconds and step == 30:
-            per_step = (time.perf_counter() - t_warm) / 20
-            left = train.max_seconds - (time.perf_counter() - t_start)
-            total[0] = max(31, min(train.steps, 30 + int(left / per_step)))
-            if bar is not None:
-                bar.total = total[0]
-        seqs = [rng.randrange(len(data.tokens)) for _ in range(train.seqs_per_step)]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = block_loss(net, embed, lm_head, data, seqs, rng, train)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        bar = tqdm(total=planned, initial=step, desc="train drafter", unit="step")
+    t_wall = time.perf_counter()
+    t_start = t_wall - record["seconds"]
+    while step < planned:
+        f = lr_factor(step, planned, tc.warmup_frac, tc.min_lr_frac)
+        for gp in opt.param_groups:
+            gp["lr"] = tc.lr * f
+        loss, m, toks = one_step(True)
+        record["losses"].append(round(loss, 5))
+        record["lr"].append(tc.lr * f)
+        record["tokens_seen"] += toks
+        step += 1
         if bar is not None:
             bar.update(1)
-            if step % log_every == 0:
-                bar.set_postfix(loss=f"{sum(losses[-log_every:]) / len(losses[-log_every:]):.3f}")
-        step += 1
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{m['acc']:.2f}")
+        last = step == planned
+        if val is not None and len(val) and (last or (tc.val_every and step % tc.val_every == 0)):
+            v = {"step": step, **simulated_tau(net, target, val, tc)}
+            record["val"].append(v)
+            if v["tau"] > best:
+                best = v["tau"]
+                best_state = {k: t.detach().clone() for k, t in net.state_dict().items()}
+                record["best"] = v
+                record["seconds"] = time.perf_counter() - t_start
+                record["steps_run"] = step
+                if out is not None:  # a run cut short resumes from its best checkpoint
+                    _save(net, out, record, step, planned, epoch, cursor)
+            log(f"step {step}/{planned}: loss {loss:.3f}, val tau {v['tau']:.3f} (best {best:.3f})")
+        if stop_after_seconds is not None and time.perf_counter() - t_wall > stop_after_seconds:
+            log(f"stopping at step {step} of {planned} after {stop_after_seconds:.0f} s: resume to continue")
+            break
     if bar is not None:
         bar.close()
-    return net.eval(), losses
+    record["seconds"] = time.perf_counter() - t_start
+    record["steps_run"] = step
+    if best_state is not None:
+        net.load_state_dict(best_state)
+    elif state is not None and record["val"]:  # no better weights this time: the earlier best stays
+        net.load_state_dict(type(net).load(resume).state_dict())
+    if out is not None:
+        _save(net, out, record, step, planned, epoch, cursor)
+        plot_training(record, Path(out) / "training.png")
+    return net.eval(), record
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _save(net, out, record, step, planned, epoch, cursor) -> None:
+    out = Path(out)
+    keep = net.fc.weight.dtype
+    net.to(torch.bfloat16).save(out)
+    net.to(keep)
+    _write_state(out, record, step, planned, epoch, cursor)
+
+
+def _write_state(out: Path, record, step, planned, epoch, cursor) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "training.json").write_text(json.dumps(record, indent=1))
+    (out / "train_state.json").write_text(json.dumps({"step": step, "planned": planned, "epoch": epoch,
+                                                      "cursor": cursor}, indent=1))
+
+
+def _read_state(folder) -> dict:
+    folder = Path(folder)
+    try:
+        st = json.loads((folder / "train_state.json").read_text())
+        st["record"] = json.loads((folder / "training.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot resume from {str(folder)!r}: no readable train_state.json / training.json "
+                              f"({e})") from None
+    return st
+
+
+def plot_training(record: dict, path: str | Path) -> Path | None:
+    """A PNG of the loss (smoothed), the learning rate and the validation tau against the step
+    (``None`` if matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    losses = record["losses"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    k = max(1, len(losses) // 100)
+    sm = [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]
+    axes[0].plot([i + k for i in range(0, len(losses), k)], sm)
+    axes[0].set(title="training loss", xlabel="step")
+    axes[1].plot(range(1, len(record["lr"]) + 1), record["lr"])
+    axes[1].set(title="learning rate", xlabel="step")
+    if record["val"]:
+        axes[2].plot([v["step"] for v in record["val"]], [v["tau"] for v in record["val"]], marker="o")
+    axes[2].set(title="validation tau (simulated)", xlabel="step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return Path(path)
+
+
+def new_net(config, target, seed: int = 0):
+    """A freshly initialised network for ``config`` (GQA or MLA block drafter), its output norm
+    started from the target's (the LM head expects that scale)."""
+    from specdec.drafters.block import BlockDrafterNet
+
+    net_cls = BlockDrafterNet
+    if type(config).__name__ == "MLABlockDrafterConfig":
+        from specdec.drafters.dspark_mla import MLABlockDrafterNet as net_cls
+    net = init_weights(net_cls(config), seed=seed)
+    with torch.no_grad():
+        if config.hidden_size == target.hidden_size and hasattr(target, "final_norm"):
+            net.norm.weight.copy_(target.final_norm.float().cpu())
+    return net
+
+
+def distill_tokens(target, prompts, max_new_tokens: int = 256, batch_size: int = 64, progress: bool = False) -> TokenData:
+    """The target's greedy responses to ``prompts`` as :class:`TokenData` (small runs and tests;
+    the full recipe is ``python -m specdec.drafters.data``)."""
+    from specdec import SamplingParams, SpecEngine
+
+    engine = SpecEngine(target, None, max_num_seqs=batch_size)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens), progress=progress)
+    return TokenData.from_lists([list(o.prompt_token_ids) + list(o.token_ids) for o in outs],
+                                [len(o.prompt_token_ids) for o in outs], [0] * len(outs), [0.0] * len(outs))
+
+
+#: The recipe's loss mix and heads of each kind (DFlash: the plain configuration of the same network).
+KIND_SETTINGS = {
+    "dflash": dict(shift_label=0, markov_rank=0, confidence_head=False, tv_weight=0.0, confidence_weight=0.0),
+    "dspark": dict(shift_label=1, markov_rank=64, confidence_head=True, tv_weight=0.5, confidence_weight=0.2),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specdec.drafters.training`` (also ``specdec train-drafter``): train one drafter on
+    data built by ``python -m specdec.drafters.data``, or resume a run."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="specdec train-drafter", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", required=True, help="folder written by python -m specdec.drafters.data")
+    p.add_argument("--kind", choices=sorted(KIND_SETTINGS), default="dspark")
+    p.add_argument("--out", required=True, help="checkpoint folder (best weights, training.json, training.png)")
+    p.add_argument("--resume", default=None, help="a checkpoint folder of an earlier run to continue")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=3, help="drafter decoder layers")
+    p.add_argument("--intermediate-size", type=int, default=1024, help="drafter MLP width")
+    p.add_argument("--num-target-layers", type=int, default=3, help="target layers tapped, spread over the depth")
+    p.add_argument("--steps", type=int, default=4000, help="planned steps (cut to fit --max-seconds)")
+    p.add_argument("--max-seconds", type=float, default=None)
+    p.add_argument("--seqs-per-step", type=int, default=16)
+    p.add_argument("--anchors", type=int, default=32)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--val-fraction", type=float, default=0.01)
+    p.add_argument("--val-every", type=int, default=250)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, spread_layer_ids
+    from specdec.target import load_target
+
+    data = TokenData.load(args.data)  # typed error before the model loads
+    k = KIND_SETTINGS[args.kind]
+    tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
+                     tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"], max_seconds=args.max_seconds,
+                     val_every=args.val_every, seed=args.seed)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    train, val = data.split(args.val_fraction, seed=args.seed)
+    if args.resume:
+        net = BlockDrafterNet.load(args.resume)
+    else:
+        tcfg = target.config
+        net = new_net(BlockDrafterConfig(
+            block_size=args.block_size, shift_label=k["shift_label"],
+            target_layer_ids=spread_layer_ids(target.num_layers, args.num_target_layers),
+            target_hidden_size=target.hidden_size, vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+            num_layers=args.num_layers, num_heads=tcfg.num_attention_heads, num_kv_heads=tcfg.num_key_value_heads,
+            head_dim=tcfg.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=tcfg.rms_norm_eps,
+            rope_theta=tcfg.rope_theta, markov_rank=k["markov_rank"], confidence_head=k["confidence_head"]),
+            target, seed=args.seed)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"{args.kind}: {len(train)} training sequences, {len(val)} validation; "
+        f"{sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters")
+    net, record = train_block_drafter(target, train, net, tc, val=val, out=args.out, resume=args.resume,
+                                      progress=sys.stderr.isatty(), log=log)
+    best = record.get("best", {})
+    print(json.dumps({"kind": args.kind, "steps_run": record["steps_run"], "planned_steps": record["planned_steps"],
+                      "seconds": round(record["seconds"], 1), "best": best, "tokens_seen": record["tokens_seen"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

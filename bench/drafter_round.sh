@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the GPU machine (after the stage-for-device.sh stashes): one round of the block-drafter recipe.
+#   bash bench/drafter_round.sh data    # build the training data under $DATA (default /tmp/drafter_data);
+#                                       # its shards and manifest come back under $OUT/data
+#   bash bench/drafter_round.sh train   # train DFlash and DSpark side by side on $DATA for $SECONDS (default 420)
+#                                       # each, into specdec/drafters/checkpoints/ (RESUME=1: continue the
+#                                       # checkpoints there); weights, training.json and plots come back
+#   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
+# Knobs: MAGPIE, CODE (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH.
+set -uo pipefail
+. /tmp/stage/env.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+DATA=${DATA:-/tmp/drafter_data}
+CK=specdec/drafters/checkpoints
+mkdir -p "$OUT"
+for part in "$@"; do
+  case "$part" in
+    data)
+      timeout 560 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
+        --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
+        --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
+      mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
+    train)
+      for kind in dflash dspark; do
+        resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
+        timeout 580 python -m specdec.drafters.training --data "$DATA" --kind $kind --out "/tmp/ck-$kind" \
+          --max-seconds "${SECONDS_BUDGET:-420}" $resume > "$OUT/train_$kind.log" 2>&1 &
+      done
+      wait
+      for kind in dflash dspark; do
+        tail -5 "$OUT/train_$kind.log"
+        mkdir -p "$OUT/$kind" && cp /tmp/ck-$kind/* "$OUT/$kind/" && rm -rf "$CK/smollm2-135m-$kind" \
+          && cp -r /tmp/ck-$kind "$CK/smollm2-135m-$kind"
+      done ;;
+    eval)
+      timeout 280 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dspark --skip-hf --out "$OUT/e2e_humaneval" 2>&1 | grep "^|"
+      timeout 280 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
+        --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash,dspark --skip-hf \
+        --out "$OUT/e2e_specbench" 2>&1 | grep "^|" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done

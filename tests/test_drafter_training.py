@@ -1,0 +1,356 @@
+"""Block-drafter training: schedule, vectorised anchors and blocks against loop references, the
+Markov and confidence heads, validation tau, checkpoints that resume, and the training data format."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import SamplingParams, SpecEngine
+from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, block_mask, draft_from_hidden, init_weights,
+                                    label_offsets, output_slots, slot_logits)
+from specdec.drafters.data import TokenData, code_prompts, keep_message
+from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
+from specdec.drafters.training import (TrainConfig, anchor_block_mask, anchors_from_uniform, block_hidden, block_labels,
+                                       block_loss, distill_tokens, lr_factor, new_net, simulated_tau, target_features,
+                                       train_block_drafter)
+from specdec.errors import CheckpointError, ConfigError
+from specdec.target import load_target
+
+VOCAB, HIDDEN = 64, 32
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160,
+                                   initializer_range=0.3, eos_token_id=VOCAB - 1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return load_target(path)
+
+
+def cfg(shift: int, **kw) -> BlockDrafterConfig:
+    base = dict(block_size=4, shift_label=shift, target_layer_ids=(0, 2), target_hidden_size=HIDDEN, vocab_size=VOCAB,
+                hidden_size=HIDDEN, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    return BlockDrafterConfig(**{**base, **kw})
+
+
+def dspark_cfg(**kw) -> BlockDrafterConfig:
+    return cfg(1, markov_rank=8, confidence_head=True, **kw)
+
+
+def toy_data(n=24, seed=0, lo=24, hi=48) -> TokenData:
+    """Periodic sequences (learnable from context): prompt = one period and a token."""
+    rng = random.Random(seed)
+    seqs, plens = [], []
+    for _ in range(n):
+        period = rng.randint(2, 5)
+        base = [rng.randrange(1, VOCAB - 1) for _ in range(period)]
+        seqs.append((base * hi)[: rng.randint(lo, hi)])
+        plens.append(period + 1)
+    return TokenData.from_lists(seqs, plens, [0] * n, [0.0] * n)
+
+
+def toy_prompts() -> list[list[int]]:
+    d = toy_data(12, seed=0)
+    return [d.sequence(i)[: d.prompt_lens[i] + 3].tolist() for i in range(12)]
+
+
+# -- schedule ---------------------------------------------------------------------------------------
+@given(planned=st.integers(2, 3000), warm=st.floats(0, 0.5), floor=st.floats(0, 1))
+@settings(max_examples=60, deadline=None)
+def test_schedule_warms_up_then_decays_to_the_floor(planned, warm, floor):
+    f = [lr_factor(s, planned, warm, floor) for s in range(planned)]
+    w = math.ceil(warm * planned)
+    assert all(0 <= x <= 1 + 1e-12 for x in f) and all(x > 0 for x in f[:w])
+    assert all(f[i] < f[i + 1] for i in range(min(w, planned) - 1))  # linear warm-up
+    if w < planned:
+        assert f[w] == pytest.approx(1.0)
+        tail = f[w:]
+        assert all(a >= b - 1e-12 for a, b in zip(tail, tail[1:]))  # cosine: never rises
+        if planned - w > 1:
+            assert f[-1] == pytest.approx(floor)
+
+
+def test_time_budget_fixes_the_planned_steps_before_the_schedule(tiny):
+    data = toy_data(8)
+    net = new_net(cfg(0), tiny)
+    _, rec = train_block_drafter(tiny, data, net, TrainConfig(steps=10_000, seqs_per_step=2, anchors_per_seq=4,
+                                                              max_seconds=3.0, val_every=0), progress=False)
+    planned = rec["planned_steps"]
+    assert 1 <= planned < 10_000 and rec["steps_run"] == planned
+    assert rec["lr"] == pytest.approx([6e-4 * lr_factor(s, planned, 0.04, 0.1) for s in range(planned)])
+
+
+def test_a_resumed_run_continues_the_same_curve(tiny, tmp_path):
+    data, val = toy_data(12), toy_data(3, seed=9)
+    tc = TrainConfig(steps=12, seqs_per_step=2, anchors_per_seq=4, val_every=6)
+    _, whole = train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, val=val, progress=False)
+
+    class Stop(Exception):
+        pass
+
+    first = tmp_path / "first"
+    calls = []
+
+    def stop_after_first_validation(msg: str) -> None:
+        calls.append(msg)
+        raise Stop
+
+    with pytest.raises(Stop):  # a run killed right after its first checkpoint
+        train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, val=val, out=first, progress=False,
+                            log=stop_after_first_validation)
+    state = json.loads((first / "train_state.json").read_text())
+    assert state["step"] == 6 and state["planned"] == 12
+    _, resumed = train_block_drafter(tiny, data, BlockDrafterNet.load(first), tc, val=val, out=tmp_path / "second",
+                                     resume=first, progress=False)
+    assert resumed["steps_run"] == 12 and len(resumed["lr"]) == 12
+    assert resumed["lr"] == pytest.approx(whole["lr"])
+    assert [v["step"] for v in resumed["val"]] == [6, 12]
+    with pytest.raises(CheckpointError, match="resume"):
+        train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, resume=tmp_path / "nothing", progress=False)
+
+
+# -- vectorised pieces against loop references ---------------------------------------------------------
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(-5, 60)), min_size=1, max_size=6),
+       st.integers(1, 8), st.integers(0, 2 ** 31 - 1))
+@settings(max_examples=80, deadline=None)
+def test_vectorised_anchors_equal_a_loop(ranges, A, seed):
+    lo = torch.tensor([r[0] for r in ranges])
+    hi = torch.tensor([r[1] for r in ranges])
+    u = torch.rand(len(ranges), A, generator=torch.Generator().manual_seed(seed))
+    got = anchors_from_uniform(lo, hi, u)
+    for s, (a, b) in enumerate(ranges):
+        for j in range(A):
+            want = a + min(int(u[s, j].item() * (b - a + 1)), b - a) if b >= a else -1
+            assert got[s, j].item() == want
+            if b >= a:
+                assert a <= want <= b
+
+
+@given(st.integers(1, 4), st.integers(2, 30), st.integers(1, 5), st.integers(2, 6), st.integers(0, 1),
+       st.integers(0, 2 ** 31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_block_labels_equal_a_loop(S, L, A, B, shift, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 99, (S, L), generator=g)
+    lengths = torch.randint(1, L + 1, (S,), generator=g)
+    anchors = torch.randint(-1, L, (S, A), generator=g)
+    offs = label_offsets(B, shift)
+    got = block_labels(tokens, lengths, anchors, offs)
+    for s in range(S):
+        for a in range(A):
+            for j, o in enumerate(offs):
+                p = anchors[s, a].item() + o
+                ok = anchors[s, a].item() >= 0 and p < lengths[s].item()
+                assert got[s, a, j].item() == (tokens[s, p].item() if ok else -100)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_all_anchors_in_one_pass_equal_one_block_at_a_time(tiny, shift):
+    """The A*B-query pass with its block-diagonal mask gives each block what a lone block
+    (the inference path's forward_block over the context before its anchor) gives."""
+    net = init_weights(BlockDrafterNet(cfg(shift, num_layers=2)), seed=3).eval()
+    data = toy_data(3, seed=4)
+    seqs = [data.sequence(i).tolist() for i in range(3)]
+    batch = target_features(tiny, seqs, data.prompt_lens.tolist(), (0, 2))
+    anchors = torch.tensor([[5, 9, 1, 20], [3, 3, 17, -1], [10, 2, 7, 11]])
+    with torch.no_grad():
+        h = block_hidden(net, tiny.embed, batch, anchors)  # [S, A, B, D]
+        L, B = batch.feats.shape[1], net.config.block_size
+        ctx = net.project_context(batch.feats)
+        for s in range(3):
+            kv = [net.context_kv(i, ctx[s:s + 1], torch.arange(L)) for i in range(2)]
+            for a in range(4):
+                anc = anchors[s, a].item()
+                if anc < 0:
+                    continue
+                ids = torch.tensor([[batch.tokens[s, anc].item()] + [net.config.mask_token_id] * (B - 1)])
+                lone = net.forward_block(tiny.embed[ids], anc + torch.arange(B)[None], kv, torch.arange(L)[None] < anc)
+                torch.testing.assert_close(h[s, a], lone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_mask_sees_context_before_the_anchor_and_its_own_block_only():
+    m = anchor_block_mask(torch.tensor([[2, 5]]), 3, 6)[0, 0]  # [6 queries, 6 ctx + 6 block keys]
+    assert m[:3, :6].tolist() == [[True, True, False, False, False, False]] * 3
+    assert m[3:, :6].tolist() == [[True] * 5 + [False]] * 3
+    assert m[:3, 6:].tolist() == [[True] * 3 + [False] * 3] * 3 and m[3:, 6:].tolist() == [[False] * 3 + [True] * 3] * 3
+    assert block_mask(torch.tensor([[True, False]]), 2).shape == (1, 1, 1, 4)
+
+
+def test_loss_uses_only_context_before_each_anchor(tiny):
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=1)
+    data = toy_data(2, seed=2)
+    seqs = [data.sequence(i).tolist() for i in range(2)]
+    batch = target_features(tiny, seqs, data.prompt_lens.tolist(), (0, 2))
+    anchors = torch.tensor([[9], [12]])
+    tc = TrainConfig(tv_weight=1.0, confidence_weight=1.0)
+    l1, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits)
+    g = torch.Generator().manual_seed(0)
+    batch.feats[0, 9:] += 10 * torch.randn(batch.feats[0, 9:].shape, generator=g)
+    batch.feats[1, 12:] += 10 * torch.randn(batch.feats[1, 12:].shape, generator=g)
+    l2, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits)
+    assert l1.item() == pytest.approx(l2.item(), rel=1e-6)
+    batch.feats[0, 8] += 10 * torch.randn(batch.feats[0, 8].shape, generator=g)
+    l3, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits)
+    assert l1.item() != pytest.approx(l3.item(), rel=1e-6)
+
+
+def test_chunked_loss_equals_one_chunk_and_its_gradients(tiny):
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=1)
+    with torch.no_grad():
+        net.markov.up.weight.normal_(0, 0.2)
+    data = toy_data(3, seed=5)
+    batch = target_features(tiny, [data.sequence(i).tolist() for i in range(3)], data.prompt_lens.tolist(), (0, 2))
+    anchors = anchors_from_uniform(torch.tensor([6, 6, 6]), batch.lengths - 2, torch.rand(3, 5))
+    tc = TrainConfig(tv_weight=0.5, confidence_weight=0.3)
+    grads = []
+    for rows in (7, 10_000):
+        net.zero_grad()
+        loss, m = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, chunk_rows=rows)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in net.parameters()], m))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert grads[0][2]["tv"] > 0 and grads[0][2]["conf"] > 0
+
+
+# -- the Markov head -----------------------------------------------------------------------------------
+def test_markov_block_logits_equal_a_token_by_token_reference(tiny):
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=2).eval()
+    with torch.no_grad():
+        net.markov.up.weight.normal_(0, 0.5)  # a bias that matters
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(5, 4, HIDDEN, generator=g)
+    first = torch.randint(0, VOCAB, (5,), generator=g)
+    with torch.no_grad():
+        toks, conf = draft_from_hidden(net, h, first, tiny.lm_head, tiny.embed, with_confidence=True)
+        for n in range(5):
+            prev = first[n].item()
+            for j in range(4):
+                bias = net.markov.up(net.markov.down(tiny.embed[prev]))
+                logits = tiny.lm_head @ (h[n, j] + bias)
+                assert toks[n, j].item() == logits.argmax().item()
+                p = torch.sigmoid(net.confidence(torch.cat([h[n, j], torch.stack([
+                    torch.log_softmax(logits, -1).max(), -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum()])])))
+                assert conf[n, j].item() == pytest.approx(p.item(), rel=1e-4, abs=1e-6)
+                prev = toks[n, j].item()
+        # teacher forcing with the drafted tokens gives the same logits in one batched call
+        prev = torch.cat([first[:, None], toks[:, :-1]], 1)
+        batched = slot_logits(net, h, prev, tiny.lm_head, tiny.embed)
+        assert torch.equal(batched.argmax(-1), toks)
+    plain = init_weights(BlockDrafterNet(cfg(1)), seed=2)
+    assert plain.markov is None and plain.confidence is None
+    assert draft_from_hidden(plain, h, first, tiny.lm_head, tiny.embed, with_confidence=True)[1] is None
+
+
+def test_markov_head_starts_as_no_bias():
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=0)
+    assert torch.count_nonzero(net.markov_bias(torch.randn(3, HIDDEN))) == 0
+
+
+@pytest.mark.parametrize("kw,field", [({"markov_rank": -1}, "markov_rank"), ({"markov_rank": 1.5}, "markov_rank"),
+                                      ({"confidence_head": 1}, "confidence_head")])
+def test_head_config_errors_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        cfg(1, **kw)
+
+
+# -- training end to end ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    out = {}
+    train = distill_tokens(tiny, toy_prompts(), max_new_tokens=40)  # the target's own greedy responses
+    val = train.subset(range(6))  # memorising 12 sequences is what a tiny drafter can show in seconds
+    for name, c, tc in [("dflash", cfg(0), TrainConfig(steps=120, seqs_per_step=4, anchors_per_seq=8, lr=1e-2,
+                                                        val_every=60)),
+                        ("dspark", dspark_cfg(), TrainConfig(steps=120, seqs_per_step=4, anchors_per_seq=8, lr=1e-2,
+                                                             val_every=60, tv_weight=0.5, confidence_weight=0.2))]:
+        folder = tmp_path_factory.mktemp(name)
+        before = simulated_tau(new_net(c, tiny), tiny, val, tc)["tau"]
+        net, rec = train_block_drafter(tiny, train, new_net(c, tiny), tc, val=val, out=folder, progress=False)
+        out[name] = (net, rec, folder, before)
+    return out
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_training_converges_and_validation_tau_rises(trained, name):
+    net, rec, folder, before = trained[name]
+    losses = rec["losses"]
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
+    assert rec["best"]["tau"] > before + 0.3
+    assert rec["tokens_seen"] > 0 and len(rec["lr"]) == rec["steps_run"] == 120
+    saved = json.loads((folder / "training.json").read_text())
+    assert saved["best"] == rec["best"]
+    if name == "dspark":
+        assert 0 <= rec["best"]["conf_ece"] < 0.25  # calibrated roughly, even this small
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_trained_drafters_are_lossless(tiny, trained, name, batch):
+    net, _, folder, _ = trained[name]
+    cls = DFlashDrafter if name == "dflash" else DSparkDrafter
+    loaded = cls.from_pretrained(folder)
+    assert loaded.config == net.config
+    prompts = toy_prompts()[:8]  # prompts whose continuations it learnt
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    base = SpecEngine(tiny, max_num_seqs=batch).generate(prompts, params)
+    engine = SpecEngine(tiny, loaded, max_num_seqs=batch)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    acc = [a for o in outs for a in o.stats.accepted_lengths]
+    assert sum(acc) / len(acc) > 1.3  # it drafts something right
+
+
+# -- training data ------------------------------------------------------------------------------------------
+def test_token_data_round_trip_in_shards(tmp_path, monkeypatch):
+    import specdec.drafters.data as data_mod
+
+    monkeypatch.setattr(data_mod, "SHARD_TOKENS", 50)
+    rng = random.Random(0)
+    seqs = [[rng.randrange(49152) for _ in range(rng.randint(1, 30))] for _ in range(20)]
+    d = TokenData.from_lists(seqs, [1] * 20, [i % 3 for i in range(20)], [0.0, 0.8] * 10, {"seed": 3})
+    paths = d.save(tmp_path)
+    assert len(paths) > 2 and all(p.suffix == ".npz" for p in paths)
+    back = TokenData.load(tmp_path)
+    assert [back.sequence(i).tolist() for i in range(20)] == seqs
+    assert back.source.tolist() == d.source.tolist() and back.meta["seed"] == 3
+    assert back.tokens.dtype == np.uint16
+    train, val = back.split(0.3, seed=1)
+    assert len(train) + len(val) == 20 and (val.temperature == 0).all()
+    assert back.split(0.3, seed=1)[1].tokens.tolist() == val.tokens.tolist()
+    with pytest.raises(ConfigError, match="uint16"):
+        TokenData.from_lists([[70000]], [1], [0], [0.0])
+    (tmp_path / paths[0].name).write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="shard"):
+        TokenData.load(tmp_path)
+    with pytest.raises(CheckpointError, match="manifest"):
+        TokenData.load(tmp_path / "none")
+
+
+def test_code_prompts_are_seeded_and_come_from_library_functions():
+    a, b = code_prompts(30, seed=4, workers=1), code_prompts(30, seed=4, workers=2)
+    assert a == b and len(a) == 30 and len(set(a)) == 30
+    assert all("```python\n" in p and p.split("\n")[0] in {
+        "Implement this Python function.", "Explain what this Python function does.", "Continue this Python code.",
+        "Add type hints to this Python function."} for p in a)
+    assert code_prompts(30, seed=5, workers=1) != a
+
+
+@pytest.mark.parametrize("text,ok", [("Write a short poem about the sea at night", True), ("Hi", False),
+                                     ("the the the the the the the the", False), ("<|im_start|>user write a poem", False),
+                                     ("1234 5678 9012 3456 7890", False)])
+def test_magpie_filter(text, ok):
+    assert keep_message(text) is ok
