@@ -81,53 +81,20 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_train_drafter(args) -> int:
-    import json
+def cmd_train_drafter(rest: list[str]) -> int:
+    from specdec.drafters.training import main as train_main
 
-    import torch
+    return train_main(rest)
 
-    from specdec.drafters.block import BlockDrafterConfig, spread_layer_ids
-    from specdec.drafters.training import (DistillData, TrainConfig, build_distill_data, train_block_drafter,
-                                           training_prompts)
-    from specdec.target import load_target
 
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-    layer_ids = spread_layer_ids(target.num_layers, args.num_target_layers)
-    data_path = Path(args.data) if args.data else None
-    if data_path is not None and data_path.is_file():
-        data = DistillData.load(data_path)
-        data.hidden = [h.to(target.device) for h in data.hidden]
-        data.tokens = [t.to(target.device) for t in data.tokens]
-    else:
-        prompts = training_prompts(args.num_text_prompts, seed=args.seed)
-        if args.limit_prompts:
-            prompts = prompts[: args.limit_prompts]
-        print(f"self-distillation: {len(prompts)} prompts, {args.max_new_tokens} new tokens each", file=sys.stderr)
-        data = build_distill_data(target, prompts, layer_ids, args.max_new_tokens, batch_size=args.batch_size)
-        if data_path is not None:
-            data.save(data_path)
-    kinds = ["dflash", "dspark"] if args.kind == "both" else [args.kind]
-    tc = target.config
-    for kind in kinds:
-        cfg = BlockDrafterConfig(block_size=args.block_size, shift_label=0 if kind == "dflash" else 1,
-                                 target_layer_ids=data.layer_ids, target_hidden_size=target.hidden_size,
-                                 vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-                                 num_layers=args.num_layers, num_heads=tc.num_attention_heads,
-                                 num_kv_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
-                                 intermediate_size=tc.intermediate_size, mask_token_id=args.mask_token_id,
-                                 rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta)
-        train = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors,
-                            lr=args.lr, seed=args.seed, max_seconds=args.max_seconds)
-        net, losses = train_block_drafter(target, data, cfg, train)
-        out = Path(args.out) / f"{Path(str(args.target)).name}-{kind}" if args.kind == "both" else Path(args.out)
-        net.to(torch.bfloat16).save(out)
-        (out / "training.json").write_text(json.dumps({"target": str(args.target), "train": {
-            k: getattr(train, k) for k in train.__slots__}, "sequences": len(data.tokens),
-            "steps_run": len(losses), "loss_first_50": sum(losses[:50]) / len(losses[:50]),
-            "loss_last_50": sum(losses[-50:]) / len(losses[-50:])},
-            indent=2))
-        print(f"{kind}: loss {losses[0]:.3f} -> {sum(losses[-50:]) / len(losses[-50:]):.3f}, saved to {out}")
-    return 0
+def cmd_drafter_data(rest: list[str]) -> int:
+    from specdec.drafters.data import main as data_main
+
+    return data_main(rest)
+
+
+#: Subcommands whose own parser takes every argument after the name (``specdec NAME --help``).
+FORWARDED = {"train-drafter": cmd_train_drafter, "drafter-data": cmd_drafter_data}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,30 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quiet", action="store_true")
     _common(b)
     b.set_defaults(max_new_tokens=128)
-    t = sub.add_parser("train-drafter", help="train a DFlash / DSpark drafter by self-distillation (use a GPU)")
-    t.add_argument("--target", default="smollm2-135m")
-    t.add_argument("--kind", choices=["dflash", "dspark", "both"], default="dflash")
-    t.add_argument("--out", required=True, help="checkpoint directory (a parent directory with --kind both)")
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--block-size", type=int, default=8)
-    t.add_argument("--num-layers", type=int, default=2, help="drafter decoder layers")
-    t.add_argument("--num-target-layers", type=int, default=3, help="target layers tapped, spread over the depth")
-    t.add_argument("--num-text-prompts", type=int, default=400, help="prompts built from real text besides HumanEval 0-99")
-    t.add_argument("--max-new-tokens", type=int, default=256)
-    t.add_argument("--limit-prompts", type=int, default=None, help="use only the first N prompts (smoke runs)")
-    t.add_argument("--batch-size", type=int, default=64, help="generation batch for the distillation data")
-    t.add_argument("--seqs-per-step", type=int, default=16)
-    t.add_argument("--anchors", type=int, default=32)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--mask-token-id", type=int, default=0)
-    t.add_argument("--data", default=None, help="cache file for the distillation data (reused if present)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--max-seconds", type=float, default=None, help="time budget per drafter (cuts --steps)")
-    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    t.add_argument("--device", default="cuda")
+    t = sub.add_parser("train-drafter", add_help=False,
+                       help="train a DFlash / DSpark drafter on data from drafter-data (use a GPU; --help for options)")
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    d = sub.add_parser("drafter-data", add_help=False,
+                       help="build drafter training data: prompts and the target's own responses (--help for options)")
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in FORWARDED:
+        try:
+            return FORWARDED[argv[0]](argv[1:])
+        except SpecDecError as e:
+            print(f"specdec: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "train-drafter": cmd_train_drafter}[args.cmd](args)
+        return {"generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)
     except SpecDecError as e:
         print(f"specdec: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
