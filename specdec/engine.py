@@ -248,7 +248,7 @@ class SpecEngine:
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         seq = Sequence(req_id, ids, params, generator=gen)
         self._seqs[req_id] = seq
-        self._drafter_call(seq, self.drafter.start_request, req_id, ids)
+        self._drafter_call(seq, "start_request", req_id, ids)
         self.scheduler.add(seq)
         return req_id
 
@@ -485,14 +485,14 @@ class SpecEngine:
             out.append(one[0])
         return out
 
-    def _drafter_call(self, seq: Sequence, fn, *args) -> None:
-        """Call a drafter lifecycle hook for ``seq``; if it raises, the request decodes without
-        drafts from now on (the drafter's state for it cannot be trusted)."""
+    def _drafter_call(self, seq: Sequence, hook: str, *args) -> None:
+        """Call the drafter's lifecycle ``hook`` for ``seq``; if it raises, the request decodes
+        without drafts from now on (the drafter's state for it cannot be trusted)."""
         try:
-            fn(*args)
+            getattr(self.drafter, hook)(*args)
         except Exception:
             self._no_draft.add(seq.req_id)
-            self._drafter_fault(seq, "drafter_errors", f"{fn.__name__} raised; no more drafts for this request",
+            self._drafter_fault(seq, "drafter_errors", f"{hook} raised; no more drafts for this request",
                                 exc_info=True)
 
     def _drafter_fault(self, seq: Sequence | None, kind: str, what: str, exc_info: bool = False) -> None:
@@ -648,9 +648,10 @@ class SpecEngine:
                 seq.num_cached = len(seq.tokens) - 1
                 # keep the slot a step launched ahead writes
                 self.manager.truncate(seq.req_id, seq.num_cached + (seq.req_id in ahead))
-                if hidden is not None:  # only accepted positions reach the drafter's context
-                    spans.append((seq.req_id, old_cached, row, seq.num_cached - old_cached))
-                self._drafter_call(seq, self.drafter.on_accepted, seq.req_id, new)
+                if seq.req_id not in self._no_draft:  # a drafter that failed a request hears no more of it
+                    if hidden is not None:  # only accepted positions reach the drafter's context
+                        spans.append((seq.req_id, old_cached, row, seq.num_cached - old_cached))
+                    self._drafter_call(seq, "on_accepted", seq.req_id, new)
             row += fed
             outs.append(StepOutput(seq.req_id, tuple(new), seq.status is Status.FINISHED, seq.finish_reason))
         t1 = time.perf_counter()
@@ -695,7 +696,7 @@ class SpecEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
         seq.finish(reason)
-        self._drafter_call(seq, self.drafter.stop_request, seq.req_id)
+        self._drafter_call(seq, "stop_request", seq.req_id)
         self._no_draft.discard(seq.req_id)
         self._warned.discard(seq.req_id)
 

@@ -84,7 +84,8 @@ def default_kv_budget(need_bytes: int, device) -> int:
     Returns:
         ``min(need_bytes, cap)``, where ``cap`` is ``DEVICE_FRACTION`` of the free device
         memory less 1 GiB on CUDA, or ``HOST_FRACTION`` of the host's available memory on
-        the CPU; never below one 1 MiB (a pool too small for a prompt is refused per request).
+        the CPU (a pool too small for a prompt refuses that request; one that holds no page at
+        all is a ``ConfigError`` at engine build).
     """
     import torch
 
@@ -94,7 +95,7 @@ def default_kv_budget(need_bytes: int, device) -> int:
         cap = int(DEVICE_FRACTION * max(0, free - GiB))
     else:
         cap = int(HOST_FRACTION * host_available_bytes())
-    return max(min(need_bytes, cap), 1 << 20)
+    return min(need_bytes, cap)
 
 
 def kv_budget_bytes(cap: int, reserved_by_torch: int, activation_bytes: int) -> int:
