@@ -54,7 +54,7 @@ def allocator_cap_bytes(total: int, free: int, reserved_by_torch: int, outside: 
 
 
 #: Share of the host's available memory a CPU pool may take by default.
-HOST_FRACTION = 0.125
+HOST_FRACTION = 0.0625
 #: Share of the device's free memory (less ``GiB`` of headroom) a CUDA pool may take by default.
 DEVICE_FRACTION = 0.9
 
