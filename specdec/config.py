@@ -119,7 +119,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not _is_int(self.max_draft_tokens) or self.max_draft_tokens < 0:
             raise ConfigError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
-        if self.tokens_per_block not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        if not _is_int(self.tokens_per_block) or self.tokens_per_block not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"tokens_per_block must be a power of two in [1, 256], got {self.tokens_per_block!r}")
         if self.num_pages is not None and (not _is_int(self.num_pages) or self.num_pages < 1):
             raise ConfigError(f"num_pages must be an integer >= 1 or None, got {self.num_pages!r}")

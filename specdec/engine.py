@@ -355,7 +355,7 @@ class SpecEngine:
         for seq in list(self._seqs.values()):
             if seq.status is not Status.FINISHED:
                 self._finish(seq, "abort")
-        self.runner = None  # its captured graphs and their memory pool
+        self.runner.release_graphs()
         for pool in {id(p): p for p in (self.pool, self.draft_kv.pool if self.draft_kv else None) if p}.values():
             pool.k.clear()
             pool.v.clear()
@@ -448,7 +448,7 @@ class SpecEngine:
             for (s, b), d in zip(asking, self._drafts_of(asking, k)):
                 try:
                     drafts[s.req_id] = _valid_draft(d, k, b, self.target.vocab_size) if d is not None else Draft()
-                except ValueError as e:
+                except (TypeError, ValueError) as e:  # TypeError: fields of the wrong kind (len(None), ...)
                     drafts[s.req_id] = Draft()
                     self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
         out = [drafts.get(s.req_id, Draft()) for s in batch.generation]

@@ -210,3 +210,18 @@ def test_every_error_is_a_specdec_error():
         obj = getattr(errors, name)
         if isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == errors.__name__:
             assert issubclass(obj, SpecDecError), name
+
+
+def test_progress_bar_completes_when_requests_end_on_eos(tiny, capsys):
+    import re
+
+    prompts = [[8], [7, 8, 9], [5]]  # [8] ends on end-of-sequence after 3 tokens
+    outs = SpecEngine(tiny).generate(prompts, max_new_tokens=40, progress=True)
+    assert any(o.finish_reason == "eos" for o in outs)  # else this test shows nothing
+    done, total = map(int, re.findall(r"(\d+)/(\d+)", capsys.readouterr().err)[-1])
+    assert done == total == sum(len(o.token_ids) for o in outs)
+
+
+def test_printed_stats_show_tokens_per_second(tiny):
+    out = SpecEngine(tiny).generate([[1, 2, 3]], max_new_tokens=5, ignore_eos=True)[0]
+    assert "5 tokens" in str(out.stats) and "tokens/s" in str(out.stats) and "mean accepted length" in str(out.stats)

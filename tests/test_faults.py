@@ -94,6 +94,7 @@ def test_the_issues_reproduction_no_longer_breaks_the_engine(tiny):
     (Draft(tuple(range(30))), "asked for at most"),  # longer than asked
     (Draft((1.0, 2.0)), "integers"),
     ((1, 2), "must be a Draft"),
+    (Draft(None), "has no len"),
 ])
 def test_invalid_draft_is_dropped_for_that_request_only(tiny, bad, why):
     engine = SpecEngine(tiny, BadDraftFor(bad))
@@ -226,6 +227,7 @@ def test_close_and_context_manager_release_the_pool(tiny):
     with pytest.raises(EngineClosedError):
         engine.generate([[1, 2]])
     engine.close()  # twice: nothing happens
+    assert engine.graph_stats["graphs_captured"] == 0  # still readable
 
 
 def test_default_kv_size_follows_the_model_and_max_num_seqs(tiny):
