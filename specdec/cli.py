@@ -1,4 +1,8 @@
-"""Command line: ``specdec generate`` and ``specdec bench``."""
+"""Command line: ``specdec generate``, ``bench``, ``drafter-data`` and ``train-drafter``.
+
+Every flag is checked before the model loads (a bad flag is a one-line error, exit status 2),
+and torch / transformers are imported only once a command runs, so ``--help`` is fast.
+"""
 
 from __future__ import annotations
 
@@ -14,27 +18,53 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="model name, HF checkpoint dir or .gguf file")
     p.add_argument("--drafter", default="suffix", help="registered drafter name (null, suffix, ...)")
     p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="seed of each request's sampling (None = random)")
     p.add_argument("--raw", action="store_true", help="send raw text, without the chat template")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+
+def _check_flags(args) -> None:
+    """Everything about the flags that can be wrong, before any model is loaded.
+
+    Raises:
+        ConfigError: a flag's value is invalid (the message names the flag).
+    """
+    from specdec.errors import ConfigError
+
+    for flag in ("batch_size", "max_new_tokens", "steps", "num_layers", "num_target_layers", "block_size"):
+        value = getattr(args, flag, 1)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {value}")
+    if getattr(args, "max_draft_tokens", 0) < 0:
+        raise ConfigError(f"--max-draft-tokens must be an integer >= 0, got {args.max_draft_tokens}")
+    from specdec.target.loading import check_device
+
+    check_device(args.device)
+    if getattr(args, "drafter", None) is not None:
+        from specdec.drafters import available_drafters
+
+        if args.drafter not in available_drafters():
+            raise ConfigError(f"--drafter must be one of {available_drafters()}, got {args.drafter!r}")
 
 
 def _engine(args):
     import torch
 
     from specdec import SpecEngine
+    from specdec.config import EngineConfig
     from specdec.drafters import make_drafter
     from specdec.target import load_target
 
+    config = EngineConfig(max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw)  # checked first
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     drafter = make_drafter(args.drafter) if args.drafter != "suffix" else make_drafter(
         "suffix", max_draft_tokens=max(1, args.max_draft_tokens))
-    return SpecEngine(target, drafter, max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw)
+    return SpecEngine(target, drafter, config)
 
 
 def _params(args):
@@ -45,8 +75,9 @@ def _params(args):
 
 
 def cmd_generate(args) -> int:
-    engine = _engine(args)
+    _check_flags(args)
     params = _params(args)
+    engine = _engine(args)
     t0 = time.perf_counter()
     outs = engine.generate(args.prompts, params, progress=not args.quiet)
     dt = time.perf_counter() - t0
@@ -64,9 +95,10 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from specdec.prompts import humaneval_prompts, parse_range
 
+    _check_flags(args)
     prompts = humaneval_prompts(parse_range(args.problems))
-    engine = _engine(args)
     params = _params(args)
+    engine = _engine(args)
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), args.batch_size):
@@ -99,16 +131,17 @@ FORWARDED = {"train-drafter": cmd_train_drafter, "drafter-data": cmd_drafter_dat
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specdec`` command."""
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding", formatter_class=fmt)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g = sub.add_parser("generate", help="generate text for one or more prompts", formatter_class=fmt)
     g.add_argument("prompts", nargs="+")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     _common(g)
-    b = sub.add_parser("bench", help="tokens/s and acceptance on HumanEval prompts")
+    b = sub.add_parser("bench", help="tokens/s and acceptance on HumanEval prompts", formatter_class=fmt)
     b.add_argument("--problems", default="0-9", help="HumanEval problem range, e.g. 0-99 or 100-163")
-    b.add_argument("--batch-size", type=int, default=1)
-    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
     _common(b)
     b.set_defaults(max_new_tokens=128)
     t = sub.add_parser("train-drafter", add_help=False,

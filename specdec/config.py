@@ -21,7 +21,11 @@ class SamplingParams:
         top_p: keep the smallest set whose probability is >= top_p, in (0, 1].
         stop: strings that end generation; the stop string is not returned.
         ignore_eos: keep generating past the end-of-sequence token.
-        seed: seed of the request's own random generator (sampling only).
+        seed: seed of the request's own random generator (sampling only), an integer in
+            ``[0, 2**64)`` or ``None`` (a fresh seed); validated for greedy requests too.
+
+    Raises:
+        InvalidRequestError: a field has the wrong type or value (the message names it).
     """
 
     max_new_tokens: int = 256
@@ -33,18 +37,24 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        # checked even when greedy: a bad seed is a bug whether or not this request samples
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 64):
+            raise InvalidRequestError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -58,11 +68,14 @@ class EngineConfig:
     Attributes:
         max_draft_tokens: most draft tokens verified per request per step (k).
         tokens_per_block: KV page size in tokens.
-        num_pages: KV pool capacity in pages; ``None`` sizes it from ``max_batch_tokens``.
+        num_pages: KV pool capacity in pages; ``None`` sizes it from ``kv_cache_bytes``.
         max_num_seqs: most requests running at once; the rest wait in a queue.
         attention_backend: a backend name to force, or ``None`` for automatic selection.
         apply_chat_template: wrap prompts in the target's chat template if it has one.
-        kv_cache_bytes: memory for the KV pool when ``num_pages`` is not given.
+        kv_cache_bytes: memory for the KV pool when ``num_pages`` is not given. ``None``
+            (default): what the model and ``max_num_seqs`` need, ``max_num_seqs`` requests of the
+            model's whole context, capped by what the device has
+            (:func:`specdec.kvcache.sizing.default_kv_budget`).
         share_draft_kv: ``None`` lets the scheduler decide from the drafter's hooks;
             ``True`` requires the drafter's layers in the target pool (error if the hooks
             forbid it); ``False`` always gives the drafter a pool of its own.
@@ -94,7 +107,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     attention_backend: str | None = None
     apply_chat_template: bool = True
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
     share_draft_kv: bool | None = None
     kv_cache_dtype: str = "auto"
     kv_scale: float = 1.0
@@ -104,14 +117,23 @@ class EngineConfig:
     prompt_graphs: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
+        if not _is_int(self.max_draft_tokens) or self.max_draft_tokens < 0:
             raise ConfigError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
-        if self.tokens_per_block not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        if not _is_int(self.tokens_per_block) or self.tokens_per_block not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"tokens_per_block must be a power of two in [1, 256], got {self.tokens_per_block!r}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ConfigError(f"num_pages must be >= 1 or None, got {self.num_pages!r}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.num_pages is not None and (not _is_int(self.num_pages) or self.num_pages < 1):
+            raise ConfigError(f"num_pages must be an integer >= 1 or None, got {self.num_pages!r}")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if self.kv_cache_bytes is not None and (not _is_int(self.kv_cache_bytes) or self.kv_cache_bytes < 1):
+            raise ConfigError(f"kv_cache_bytes must be an integer >= 1 or None (sized from the model), "
+                              f"got {self.kv_cache_bytes!r}")
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise ConfigError(f"attention_backend must be a backend name or None, got {self.attention_backend!r}")
+        if not isinstance(self.apply_chat_template, bool):
+            raise ConfigError(f"apply_chat_template must be True or False, got {self.apply_chat_template!r}")
+        if self.share_draft_kv is not None and not isinstance(self.share_draft_kv, bool):
+            raise ConfigError(f"share_draft_kv must be True, False or None, got {self.share_draft_kv!r}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if isinstance(self.kv_scale, bool) or not isinstance(self.kv_scale, (int, float)) \
@@ -132,6 +154,33 @@ class EngineConfig:
     def kv_dtype(self) -> torch.dtype | None:
         """Storage dtype of the target's KV cache; ``None`` means the target's compute dtype."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def engine_config(base: EngineConfig | None, overrides: dict) -> EngineConfig:
+    """``base`` (default: ``EngineConfig()``) with ``overrides`` replacing its fields.
+
+    Raises:
+        ConfigError: ``base`` is not an ``EngineConfig``, an override names no field (the
+            message lists the fields), or a value is invalid.
+    """
+    if base is not None and not isinstance(base, EngineConfig):
+        raise ConfigError(f"config must be an EngineConfig or None, got {type(base).__name__}")
+    base = base or EngineConfig()
+    unknown = sorted(set(overrides) - set(EngineConfig.__slots__))
+    if unknown:
+        raise ConfigError(f"unknown engine option(s) {unknown}: options are the fields of EngineConfig, "
+                          f"{sorted(EngineConfig.__slots__)}")
+    if not overrides:
+        return base
+    return EngineConfig(**{**{f: getattr(base, f) for f in base.__slots__}, **overrides})
 
 
 #: ``EngineConfig.kv_cache_dtype`` names and the storage dtype each means (``None``: the compute dtype).

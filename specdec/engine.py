@@ -7,18 +7,22 @@ serving stack calls ``add_request`` / ``step`` / ``abort`` itself.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import time
+import warnings
 from collections.abc import Iterable, Sequence as Seq
 
 import torch
 
 from specdec.attention.selector import get_backend
-from specdec.config import EngineConfig, SamplingParams
+from specdec.config import EngineConfig, SamplingParams, engine_config
 from specdec.drafters.base import Draft, Drafter, NullDrafter, check_hooks
-from specdec.errors import (ConfigError, InvalidRequestError, PoolExhaustedError, PromptTooLongError,
-                            VocabMismatchError)
-from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget
+from specdec.errors import (ConfigError, EngineClosedError, InvalidRequestError, PoolExhaustedError,
+                            PromptTooLongError, UnknownRequestError, VocabMismatchError)
+from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget, pages_for
+from specdec.kvcache.sizing import default_kv_budget
 from specdec.kvcache.draft_kv import DraftKV
 from specdec.graphs import GraphPolicy
 from specdec.model_runner import ModelRunner, StepInput, StepResult
@@ -33,12 +37,25 @@ _SCRATCH = object()  # owns the padding slot in the page manager; never equal to
 class SpecEngine:
     """Speculative decoding engine: lossless with respect to ``target`` alone.
 
+    A drafter is untrusted: every draft is validated (length, ids in ``[0, vocab_size)``, chain
+    shape, ``probs`` shape), and a drafter that raises or returns a bad draft costs only the
+    request concerned its draft for that step (it decodes plainly); a drafter whose lifecycle
+    hook (``start_request``, ``on_accepted``, ``on_contexts``) raises for a request no longer
+    drafts for it. Each fault counts in ``fault_stats`` and the request's
+    ``stats.drafter_faults``; the first fault of a request also gives one ``RuntimeWarning``.
+    A step that fails anyway (e.g. the target's forward raises) leaves every request as it was.
+
+    The engine holds its KV pool until it is dropped or :meth:`close` d; ``with SpecEngine(...)
+    as engine:`` closes it on exit.
+
     Args:
         target: the model to reproduce (see :class:`specdec.target.Target`).
         drafter: proposes tokens; ``None`` means :class:`NullDrafter` (plain decoding).
         config: engine settings; keyword ``overrides`` replace its fields.
 
     Raises:
+        ConfigError: ``config`` is not an ``EngineConfig``, an override names no field of it, or
+            a value is invalid (the message names the field).
         MissingHookError: the drafter lacks a hook the scheduler needs.
         VocabMismatchError: the drafter's vocabulary differs from the target's.
         ConfigError / UnsupportedShapeError: a forced attention backend is unknown
@@ -48,8 +65,8 @@ class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None, **overrides):
         self.target = target
         self.drafter = drafter if drafter is not None else NullDrafter()
-        cfg = config or EngineConfig()
-        self.config = cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, **overrides}) if overrides else cfg
+        self.config = cfg = engine_config(config, overrides)
+        self._closed = False
         check_hooks(self.drafter)
         if self.drafter.vocab_size is not None and self.drafter.vocab_size != target.vocab_size:
             raise VocabMismatchError(
@@ -66,7 +83,7 @@ class SpecEngine:
         specs = list(target.layer_specs(cfg.kv_dtype, cfg.kv_scale))
         per_token = sum(s.bytes_per_token for s in specs) + (
             sum(s.bytes_per_token for s in draft_specs) if self.kv_decision.shared else 0)
-        num_pages = cfg.num_pages or num_pages_for_budget(cfg.kv_cache_bytes, per_token, tpb)
+        num_pages = cfg.num_pages or self._default_num_pages(per_token)
         self.pool = KVPool(specs, num_pages, tpb, device=target.device)
         self.manager = KVCacheManager(num_pages, tpb)
         self.draft_kv = self._draft_kv(draft_specs)
@@ -91,6 +108,22 @@ class SpecEngine:
         self._last_backends: dict[str, str] = {}
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
                         "overlapped_steps": 0}
+        #: drafter faults the engine contained: ``drafter_errors`` (a drafter call raised),
+        #: ``invalid_drafts`` (a draft failed validation)
+        self.fault_stats = {"drafter_errors": 0, "invalid_drafts": 0}
+        self._scheduled: ScheduledBatch | None = None  # the batch of the step under way (undone if it fails)
+        self._no_draft: set[str] = set()  # requests whose drafter state failed: decoded plainly to the end
+        self._warned: set[str] = set()  # requests (or "" for the engine) already warned about
+
+    def _default_num_pages(self, per_token: int) -> int:
+        """Pages for ``kv_cache_bytes``, or by default for ``max_num_seqs`` requests of the whole
+        context (plus the scratch page), within what the device has."""
+        cfg, tpb = self.config, self.config.tokens_per_block
+        budget = cfg.kv_cache_bytes
+        if budget is None:
+            need = (cfg.max_num_seqs * pages_for(self.target.max_context, tpb) + 1) * tpb * per_token
+            budget = default_kv_budget(need, self.target.device)
+        return num_pages_for_budget(budget, per_token, tpb)
 
     def _model_runner(self) -> ModelRunner:
         cfg = self.config
@@ -101,11 +134,10 @@ class SpecEngine:
             if self.target.device.type == "cuda":  # one slot no request owns, for padding tokens' writes
                 self.manager.allocate(_SCRATCH, 1)
                 scratch = self.manager.slots(_SCRATCH, 0, 1)[0]
-        return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, self._shape_of,
+        # a partial, not a bound method: the runner must not keep the engine alive (a reference cycle)
+        shape_of = functools.partial(_shape_of, self.target, cfg.tokens_per_block, cfg.kv_dtype)
+        return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, shape_of,
                            self.drafter.target_layer_ids, cfg.attention_backend, scratch)
-
-    def _shape_of(self, phase: str, max_q: int, mixed: bool = False):
-        return self.target.attn_shape(phase, max_q, self.config.tokens_per_block, mixed, kv_dtype=self.config.kv_dtype)
 
     # -- public API ------------------------------------------------------------
     def _draft_kv(self, draft_specs) -> DraftKV | None:
@@ -186,7 +218,8 @@ class SpecEngine:
         """Queue one request; running requests are not disturbed if it is invalid.
 
         Args:
-            prompt: text, or token ids as the target should see them.
+            prompt: a non-empty string, or a non-empty list (tuple, array) of integer token ids in
+                ``[0, vocab_size)`` as the target should see them; ``[42]`` is the one-token prompt 42.
             params: sampling parameters (greedy, 256 tokens by default).
             req_id: an id of your own (must be unused).
             chat: apply the target's chat template to a text prompt
@@ -196,10 +229,13 @@ class SpecEngine:
             The request id.
 
         Raises:
-            InvalidRequestError: empty prompt, bad token ids, a used ``req_id``.
+            InvalidRequestError: a prompt that is neither (e.g. ``42``, ``None``, ``[None]``), empty,
+                or with ids outside the vocabulary; params not a ``SamplingParams``; a used ``req_id``.
             PromptTooLongError: the prompt does not fit the model's context or the pool.
+            EngineClosedError: the engine was closed.
         """
-        params = params or SamplingParams()
+        self._check_open()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self._tokenize(prompt, self.config.apply_chat_template if chat is None else chat)
@@ -212,7 +248,7 @@ class SpecEngine:
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         seq = Sequence(req_id, ids, params, generator=gen)
         self._seqs[req_id] = seq
-        self.drafter.start_request(req_id, ids)
+        self._drafter_call(seq, "start_request", req_id, ids)
         self.scheduler.add(seq)
         return req_id
 
@@ -224,16 +260,28 @@ class SpecEngine:
         self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
         return self.scheduler.has_unfinished()
 
     def output(self, req_id: str) -> GenerationOutput:
-        """The request's output so far (final once it finished)."""
-        seq = self._seqs[str(req_id)]
+        """The request's output so far (final once it finished).
+
+        Raises:
+            UnknownRequestError: no such request (never added, or released); also a ``KeyError``.
+        """
+        seq = self._seqs.get(str(req_id))
+        if seq is None:
+            raise UnknownRequestError(f"req_id {str(req_id)!r} is not a request of this engine "
+                                      f"(never added, or already released); known: {sorted(self._seqs)[:10]}")
         return GenerationOutput(seq.req_id, tuple(seq.prompt_ids), tuple(seq.output_ids), self._text(seq),
                                 seq.finish_reason, seq.stats)
 
     def release(self, req_id: str) -> GenerationOutput:
-        """Return a finished request's output and forget it."""
+        """Return a request's output, and forget the request if it finished.
+
+        Raises:
+            UnknownRequestError: no such request.
+        """
         out = self.output(req_id)
         if self._seqs[str(req_id)].status is Status.FINISHED:
             del self._seqs[str(req_id)]
@@ -243,16 +291,34 @@ class SpecEngine:
         """Run one engine step and return each scheduled request's new tokens.
 
         With ``overlap_steps``, the step may finish a decode step launched by the previous call
-        and launch the next one before waiting (see :meth:`_launch_ahead`)."""
+        and launch the next one before waiting (see :meth:`_launch_ahead`).
+
+        A step is all or nothing for the scheduler: if it raises (the target's forward fails, an
+        interrupt), every request is left as before it, and the next step runs them again.
+        Drafter faults do not fail a step (see the class docstring).
+
+        Raises:
+            EngineClosedError: the engine was closed.
+        """
+        self._check_open()
+        try:
+            return self._step()
+        except BaseException:
+            self._undo_step()
+            raise
+
+    def _step(self) -> list[StepOutput]:
+        self._scheduled = None
         if self._inflight is not None:
             batch, result = self._inflight
             self._inflight = None
             batch, result = self._running_part(batch, result)
+            self._scheduled = batch
             if not batch:  # every request of it was aborted since
                 return []
             drafts = [Draft()] * len(batch.generation)
         else:
-            batch = self.scheduler.schedule(self._draft_budget)
+            batch = self._scheduled = self.scheduler.schedule(self._draft_budget)
             if not batch:
                 return self._unschedulable()
             drafts = self._propose(batch)
@@ -262,9 +328,49 @@ class SpecEngine:
         self._finish_launched(result)
         emitted = self._verify(batch, drafts, result)
         outs = self._postprocess(batch, drafts, emitted, result.hidden)
+        self._scheduled = None
         if self._inflight is not None and not any(s.status is Status.RUNNING for s in self._inflight[0].generation):
             self._drain()  # every request of the step ahead ended here: nothing will read it
         return outs
+
+    def _undo_step(self) -> None:
+        """After a failed step: drop a step launched ahead and give the scheduler back the state
+        it had before the step (:meth:`Scheduler.undo`)."""
+        batch, self._scheduled, self._inflight = self._scheduled, None, None
+        if batch:
+            self.scheduler.undo(batch)
+
+    # -- lifetime --------------------------------------------------------------
+    def close(self) -> None:
+        """Abort every unfinished request and release the KV cache and CUDA graphs now.
+
+        Outputs stay readable (:meth:`output`, :meth:`release`); ``add_request``, ``step`` and
+        ``generate`` then raise :class:`EngineClosedError`. Closing twice does nothing. Dropping
+        the last reference to an engine frees the same memory without ``close()``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._inflight = self._scheduled = None
+        for seq in list(self._seqs.values()):
+            if seq.status is not Status.FINISHED:
+                self._finish(seq, "abort")
+        self.runner.release_graphs()
+        for pool in {id(p): p for p in (self.pool, self.draft_kv.pool if self.draft_kv else None) if p}.values():
+            pool.k.clear()
+            pool.v.clear()
+        if self.target.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> SpecEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this engine was closed (SpecEngine.close); build a new one")
 
     def generate(self, prompts: str | Iterable[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -272,22 +378,36 @@ class SpecEngine:
         """Generate for many prompts at once, batching them step by step.
 
         Args:
-            prompts: texts or token-id lists (one string is one prompt).
+            prompts: a list of prompts, each a string or a list of token ids (see :meth:`add_request`);
+                one string is one prompt. ``[42]`` is a list holding the prompt ``42``, an error: the
+                one-token prompt is ``[[42]]``.
             params: one ``SamplingParams`` for all, or one per prompt.
             chat: apply the chat template (default: the engine config's choice).
-            progress: show a progress bar of generated tokens.
+            progress: show a progress bar of generated tokens (it completes when requests end early).
             **param_overrides: ``SamplingParams`` fields, e.g. ``max_new_tokens=64``.
 
         Returns:
             One output per prompt, in order.
 
         Raises:
-            InvalidRequestError: empty prompt list, an empty prompt, or bad parameters.
+            InvalidRequestError: ``prompts`` is not a non-empty list, a prompt is invalid (see
+                :meth:`add_request`), or bad parameters.
+            EngineClosedError: the engine was closed.
         """
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        self._check_open()
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):
+            raise InvalidRequestError(f"prompts must be a non-empty list of strings or token-id lists, "
+                                      f"got {type(prompts).__name__} {prompts!r:.50}")
+        prompts = list(prompts)
         if not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of strings or token-id lists, got []")
         if param_overrides:
+            unknown = sorted(set(param_overrides) - set(SamplingParams.__slots__))
+            if unknown:
+                raise InvalidRequestError(f"unknown sampling option(s) {unknown}: options are the fields of "
+                                          f"SamplingParams, {sorted(SamplingParams.__slots__)}")
             base = params if isinstance(params, SamplingParams) else SamplingParams()
             params = SamplingParams(**{**{f: getattr(base, f) for f in base.__slots__}, **param_overrides})
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
@@ -302,6 +422,10 @@ class SpecEngine:
             for out in self.step():
                 if bar is not None:
                     bar.update(len(out.new_token_ids))
+                    if out.finished:  # ended early (eos, stop, ...): the bar's total loses what it will not generate
+                        seq = self._seqs[out.req_id]
+                        bar.total -= seq.params.max_new_tokens - seq.num_output
+                        bar.refresh()
                 if out.finished:
                     pending.discard(out.req_id)
         if bar is not None:
@@ -310,7 +434,7 @@ class SpecEngine:
 
     # -- step parts ------------------------------------------------------------
     def _draft_budget(self, seq: Sequence) -> int:
-        if not self._max_draft:
+        if not self._max_draft or seq.req_id in self._no_draft:
             return 0
         left = min(seq.params.max_new_tokens - seq.num_output, self.target.max_context - len(seq.tokens))
         return max(0, min(self._max_draft, left - 1))
@@ -320,15 +444,72 @@ class SpecEngine:
         asking = [(s, b) for s, b in zip(batch.generation, batch.budgets) if b > 0]
         drafts = {}
         if asking:
-            proposed = self.drafter.propose([s.req_id for s, _ in asking], max(b for _, b in asking))
-            for (s, b), d in zip(asking, proposed):
-                drafts[s.req_id] = d if len(d) <= b else Draft(d.token_ids[:b], None, None if d.probs is None else d.probs[:b])
+            k = max(b for _, b in asking)
+            for (s, b), d in zip(asking, self._drafts_of(asking, k)):
+                try:
+                    drafts[s.req_id] = _valid_draft(d, k, b, self.target.vocab_size) if d is not None else Draft()
+                except (TypeError, ValueError) as e:  # TypeError: fields of the wrong kind (len(None), ...)
+                    drafts[s.req_id] = Draft()
+                    self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
         out = [drafts.get(s.req_id, Draft()) for s in batch.generation]
         for s, d, b in zip(batch.generation, out, batch.budgets):  # give back reserved slots the drafts did not use
             if len(d) < b:
                 self.manager.truncate(s.req_id, s.num_cached + 1 + len(d))
         self.timings["draft_s"] += time.perf_counter() - t0
         return out
+
+    def _drafts_of(self, asking: list[tuple[Sequence, int]], k: int) -> list:
+        """The drafter's proposals for ``asking``, ``None`` for a request whose ``propose`` raised.
+
+        ``propose`` is batched; if the batched call raises (or returns a wrong number of drafts),
+        it is called again once per request, so that only the culprit loses its draft."""
+        try:
+            proposed = list(self.drafter.propose([s.req_id for s, _ in asking], k))
+            if len(proposed) == len(asking):
+                return proposed
+        except Exception:
+            if len(asking) == 1:
+                self._drafter_fault(asking[0][0], "drafter_errors", "propose raised; no draft for this step",
+                                    exc_info=True)
+                return [None]
+        out = []
+        for seq, b in asking:
+            try:
+                one = list(self.drafter.propose([seq.req_id], b))
+            except Exception:
+                self._drafter_fault(seq, "drafter_errors", "propose raised; no draft for this step", exc_info=True)
+                one = [None]
+            if len(one) != 1:
+                self._drafter_fault(seq, "invalid_drafts", f"propose returned {len(one)} drafts for 1 request")
+                one = [None]
+            out.append(one[0])
+        return out
+
+    def _drafter_call(self, seq: Sequence, hook: str, *args) -> None:
+        """Call the drafter's lifecycle ``hook`` for ``seq``; if it raises, the request decodes
+        without drafts from now on (the drafter's state for it cannot be trusted)."""
+        try:
+            getattr(self.drafter, hook)(*args)
+        except Exception:
+            self._no_draft.add(seq.req_id)
+            self._drafter_fault(seq, "drafter_errors", f"{hook} raised; no more drafts for this request",
+                                exc_info=True)
+
+    def _drafter_fault(self, seq: Sequence | None, kind: str, what: str, exc_info: bool = False) -> None:
+        """Count a contained drafter fault; warn once per request (``None``: the engine)."""
+        self.fault_stats[kind] += 1
+        key = "" if seq is None else seq.req_id
+        if seq is not None:
+            seq.stats.drafter_faults += 1
+        if key not in self._warned:
+            self._warned.add(key)
+            import sys
+
+            err = sys.exc_info()[1] if exc_info else None
+            cause = f": {type(err).__name__}: {err}" if err is not None else ""
+            where = "" if seq is None else f" for request {seq.req_id!r}"
+            warnings.warn(f"drafter {type(self.drafter).__name__}{where}: {what}{cause} "
+                          f"(further faults of it are only counted in fault_stats)", RuntimeWarning, stacklevel=4)
 
     def _prepare(self, batch: ScheduledBatch, drafts: list[Draft]) -> StepInput:
         """Pack the step's tokens (context requests first) and the rows verification reads."""
@@ -361,7 +542,10 @@ class SpecEngine:
         While the device computes, the drafter does its host work that does not need this
         step's result (``Drafter.overlap``); that time counts as drafter time."""
         t1 = time.perf_counter()
-        self.drafter.overlap()
+        try:
+            self.drafter.overlap()
+        except Exception:
+            self._drafter_fault(None, "drafter_errors", "overlap raised", exc_info=True)
         t2 = time.perf_counter()
         self.runner.finish(result)
         self._last_backends = result.backends
@@ -464,14 +648,21 @@ class SpecEngine:
                 seq.num_cached = len(seq.tokens) - 1
                 # keep the slot a step launched ahead writes
                 self.manager.truncate(seq.req_id, seq.num_cached + (seq.req_id in ahead))
-                if hidden is not None:  # only accepted positions reach the drafter's context
-                    spans.append((seq.req_id, old_cached, row, seq.num_cached - old_cached))
-                self.drafter.on_accepted(seq.req_id, new)
+                if seq.req_id not in self._no_draft:  # a drafter that failed a request hears no more of it
+                    if hidden is not None:  # only accepted positions reach the drafter's context
+                        spans.append((seq.req_id, old_cached, row, seq.num_cached - old_cached))
+                    self._drafter_call(seq, "on_accepted", seq.req_id, new)
             row += fed
             outs.append(StepOutput(seq.req_id, tuple(new), seq.status is Status.FINISHED, seq.finish_reason))
         t1 = time.perf_counter()
         if spans:  # one call for the whole step: block drafters write their context K/V in one pass
-            self.drafter.on_contexts(spans, hidden)
+            try:
+                self.drafter.on_contexts(spans, hidden)
+            except Exception:
+                for req_id, *_ in spans:
+                    self._no_draft.add(req_id)
+                    self._drafter_fault(self._seqs[req_id], "drafter_errors",
+                                        "on_contexts raised; no more drafts for this request", exc_info=True)
         self.timings["steps"] += 1
         self.timings["host_s"] += t1 - t0
         self.timings["draft_s"] += time.perf_counter() - t1
@@ -505,7 +696,9 @@ class SpecEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
         seq.finish(reason)
-        self.drafter.stop_request(seq.req_id)
+        self._drafter_call(seq, "stop_request", seq.req_id)
+        self._no_draft.discard(seq.req_id)
+        self._warned.discard(seq.req_id)
 
     def _text(self, seq: Sequence) -> str:
         tok = self.target.tokenizer
@@ -539,10 +732,14 @@ class SpecEngine:
             else:
                 ids = tok(prompt)["input_ids"]
         else:
+            if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Iterable):
+                raise InvalidRequestError(f"prompt must be a non-empty string or a list of token ids, "
+                                          f"got {type(prompt).__name__} {prompt!r:.50}")
             ids = list(prompt)
             if not ids:
                 raise InvalidRequestError("prompt must be a non-empty string or token-id list, got []")
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.target.vocab_size]
+            raw, ids = ids, [_token_id(t) for t in ids]
+            bad = [r for r, t in zip(raw, ids) if t is None or not 0 <= t < self.target.vocab_size]
             if bad:
                 raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.target.vocab_size}), got {bad[:5]}")
         if len(ids) >= self.target.max_context:
@@ -563,6 +760,51 @@ class SpecEngine:
         for phase, q in (("context", 1), ("generation", 1), ("generation", 1 + self.config.max_draft_tokens)):
             shape = self.target.attn_shape(phase, q, self.config.tokens_per_block, kv_dtype=self.config.kv_dtype)
             select(shape, requested=name)
+
+
+def _shape_of(target, tokens_per_block: int, kv_dtype, phase: str, max_q: int, mixed: bool = False):
+    return target.attn_shape(phase, max_q, tokens_per_block, mixed, kv_dtype=kv_dtype)
+
+
+def _token_id(t) -> int | None:
+    """``t`` as a plain int if it is an integer (Python, NumPy or 0-d tensor, not a bool), else ``None``."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
+
+
+def _valid_draft(d, max_tokens: int, budget: int, vocab_size: int) -> Draft:
+    """``d`` cut to ``budget`` tokens, with plain-int ids, if it is a well-formed chain draft.
+
+    Raises:
+        ValueError: saying what is wrong (not a Draft, too long, an id outside
+            ``[0, vocab_size)``, a tree, ``probs`` of the wrong shape).
+    """
+    if not isinstance(d, Draft):
+        raise ValueError(f"a draft must be a Draft, got {type(d).__name__}")
+    if len(d) > max_tokens:
+        raise ValueError(f"draft of {len(d)} tokens, asked for at most {max_tokens}")
+    try:
+        ids = tuple(operator.index(t) for t in d.token_ids if not isinstance(t, bool))
+    except TypeError:
+        ids = ()
+    if len(ids) != len(d):
+        raise ValueError(f"draft token ids must be integers, got {d.token_ids!r}")
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {[t for t in ids if not 0 <= t < vocab_size][:5]}")
+    if d.parents is not None and tuple(d.parents) != tuple(range(-1, len(ids) - 1)):
+        raise ValueError(f"this engine verifies chain drafts; parents must be None or {tuple(range(-1, len(ids) - 1))}, "
+                         f"got {d.parents!r}")
+    probs = d.probs
+    if probs is not None and (not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (len(ids), vocab_size)):
+        raise ValueError(f"draft probs must be None or a tensor [{len(ids)}, {vocab_size}], got "
+                         f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+    if len(ids) > budget:
+        ids, probs = ids[:budget], None if probs is None else probs[:budget]
+    return Draft(ids, None, probs)
 
 
 def _progress(total: int):

@@ -23,6 +23,18 @@ class PromptTooLongError(InvalidRequestError):
     """A prompt does not fit in the model's maximum context."""
 
 
+class UnknownRequestError(InvalidRequestError, KeyError):
+    """A request id the engine does not know (never added, or already released).
+
+    Also a ``KeyError``, so code that looked requests up like a dict keeps working."""
+
+    __str__ = Exception.__str__  # KeyError would quote the whole message
+
+
+class EngineClosedError(SpecDecError, RuntimeError):
+    """The engine was closed (:meth:`specdec.SpecEngine.close`); build a new one."""
+
+
 class UnknownTargetError(ConfigError):
     """A target name is neither a known model name nor an existing path."""
 

@@ -136,6 +136,11 @@ class ModelRunner:
         else:
             self._no_graph = ""
 
+    def release_graphs(self) -> None:
+        """Drop every captured graph and the memory pool they share (captured again on demand)."""
+        self._graphs.clear()
+        self._mempool = None
+
     @property
     def graphs_enabled(self) -> bool:
         """Whether generation steps may replay CUDA graphs (False: why is in ``eager_reasons``)."""

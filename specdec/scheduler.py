@@ -167,6 +167,24 @@ class Scheduler:
             batch.context.append(seq)
         return batch
 
+    def undo(self, batch: ScheduledBatch) -> None:
+        """Give back what :meth:`schedule` did for ``batch`` after its step failed.
+
+        Requests it admitted wait again at the head of the queue (their pages freed, to be
+        prefilled again); running ones keep only their cached tokens' slots. Preemptions stand:
+        a preempted request is a consistent waiting one. Finished requests are left alone.
+        """
+        for seq in reversed(batch.context):
+            if seq in self.running:
+                self.running.remove(seq)
+                if seq.req_id in self.manager:
+                    self.manager.free(seq.req_id)
+                seq.status, seq.num_cached = Status.WAITING, 0
+                self.waiting.appendleft(seq)
+        for seq in batch.generation:
+            if seq.status is Status.RUNNING and seq.req_id in self.manager:
+                self.manager.truncate(seq.req_id, min(seq.num_cached, self.manager.length(seq.req_id)))
+
     def _reserve(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, preempt: bool) -> bool:
         """Grow ``seq`` by ``num_tokens`` new tokens; with ``preempt``, evict newer requests
         (``seq`` itself last) until it fits. Returns whether ``seq`` runs this step."""

@@ -27,6 +27,9 @@ class RequestStats:
         drafted: draft tokens proposed.
         accepted: draft tokens accepted.
         elapsed_s: wall time from admission to finish.
+        num_output_tokens: tokens generated (set when the request finishes).
+        drafter_faults: steps where the drafter raised or gave an invalid draft for this
+            request (the request then decoded without that draft; see ``SpecEngine``).
     """
 
     target_steps: int = 0
@@ -35,6 +38,13 @@ class RequestStats:
     accepted: int = 0
     elapsed_s: float = 0.0
     num_output_tokens: int = 0
+    drafter_faults: int = 0
+
+    def __str__(self) -> str:
+        return (f"{self.num_output_tokens} tokens in {self.elapsed_s:.2f} s ({self.tokens_per_s:.1f} tokens/s), "
+                f"{self.target_steps} target steps, mean accepted length {self.mean_accepted_length:.2f}, "
+                f"acceptance rate {self.acceptance_rate:.2f}" + (f", {self.drafter_faults} drafter faults"
+                                                                 if self.drafter_faults else ""))
 
     @property
     def mean_accepted_length(self) -> float:
@@ -59,7 +69,16 @@ class GenerationOutput:
         prompt_token_ids: the prompt as the target saw it (chat template applied).
         token_ids: generated tokens (an end-of-sequence token included, as HF does).
         text: generated text (special tokens skipped, cut before a stop string).
-        finish_reason: ``"eos"``, ``"stop"``, ``"length"``, ``"max_context"`` or ``"abort"``.
+        finish_reason: why the request ended, ``None`` while it runs:
+
+            - ``"eos"``: the target emitted an end-of-sequence token (kept in ``token_ids``);
+            - ``"stop"``: a ``SamplingParams.stop`` string appeared (cut from ``text``);
+            - ``"length"``: ``max_new_tokens`` tokens were generated;
+            - ``"max_context"``: prompt + output reached the model's maximum context;
+            - ``"kv_capacity"``: the request alone needs more KV pages than the whole pool
+              holds (its prompt fit, its output outgrew the pool); raise ``num_pages`` /
+              ``kv_cache_bytes`` or lower ``max_new_tokens``;
+            - ``"abort"``: :meth:`SpecEngine.abort` or :meth:`SpecEngine.close` stopped it.
         stats: speculation figures.
     """
 

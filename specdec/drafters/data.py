@@ -401,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specdec.target import load_target
+    from specdec.target.loading import check_device
 
+    check_device(args.device)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     data = build(target, args.out, args.num_magpie, args.num_code, args.sampled_fraction, args.max_new_tokens,
                  args.batch_size, args.seed)

@@ -625,7 +625,10 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, spread_layer_ids
     from specdec.target import load_target
 
-    data = TokenData.load(args.data)  # typed error before the model loads
+    from specdec.target.loading import check_device
+
+    check_device(args.device)  # typed errors before the model loads
+    data = TokenData.load(args.data)
     k = KIND_SETTINGS[args.kind]
     tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
                      tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"], max_seconds=args.max_seconds,

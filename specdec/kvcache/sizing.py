@@ -53,6 +53,51 @@ def allocator_cap_bytes(total: int, free: int, reserved_by_torch: int, outside: 
     return max(reserved_by_torch, min(total, usable))
 
 
+#: Share of the host's available memory a CPU pool may take by default.
+HOST_FRACTION = 0.0625
+#: Share of the device's free memory (less ``GiB`` of headroom) a CUDA pool may take by default.
+DEVICE_FRACTION = 0.9
+
+
+def host_available_bytes() -> int:
+    """Memory the host can still hand out (``MemAvailable`` on Linux; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_budget(need_bytes: int, device) -> int:
+    """The default KV pool budget: what is needed, within what the device has.
+
+    Args:
+        need_bytes: bytes that hold every request the engine may run at once at the
+            model's full context (``max_num_seqs`` x context pages, every pooled layer).
+        device: where the pool lives.
+
+    Returns:
+        ``min(need_bytes, cap)``, where ``cap`` is ``DEVICE_FRACTION`` of the free device
+        memory less 1 GiB on CUDA, or ``HOST_FRACTION`` of the host's available memory on
+        the CPU (a pool too small for a prompt refuses that request; one that holds no page at
+        all is a ``ConfigError`` at engine build).
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = int(DEVICE_FRACTION * max(0, free - GiB))
+    else:
+        cap = int(HOST_FRACTION * host_available_bytes())
+    return min(need_bytes, cap)
+
+
 def kv_budget_bytes(cap: int, reserved_by_torch: int, activation_bytes: int) -> int:
     """Bytes left for the KV pool under ``cap`` after what PyTorch holds and the activations need."""
     return max(0, cap - reserved_by_torch - activation_bytes)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.errors import CheckpointError, UnknownTargetError
+from specdec.errors import CheckpointError, ConfigError, UnknownTargetError
 from specdec.target.llama import LlamaConfig, LlamaTarget
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,15 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
         The target, with its tokenizer when the checkpoint has one.
 
     Raises:
+        ConfigError: ``dtype`` is not a floating torch dtype, or ``device`` is not a device
+            this machine has (e.g. ``"cuda"`` without CUDA); checked before anything is read.
         UnknownTargetError: not a known name and not an existing path.
-        CheckpointError: the directory or file lacks what a checkpoint needs.
+        CheckpointError: the directory or file lacks what a checkpoint needs, or is corrupt
+            (unreadable ``config.json``, truncated safetensors, a ``.gguf`` that is not GGUF).
     """
+    device = check_device(device)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
     key = str(name_or_path)
     if key in KNOWN_TARGETS:
         package, filename = KNOWN_TARGETS[key]
@@ -72,18 +78,43 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
     return _load_hf_dir(path, dtype, device, name=key)
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` if this machine has it.
+
+    Raises:
+        ConfigError: not a device name, or a CUDA device without CUDA (or past the last GPU).
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(device)!r} needs CUDA, which this machine does not have "
+                              "(torch.cuda.is_available() is False); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device index must be < {torch.cuda.device_count()} (the GPUs here), got {str(device)!r}")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {str(device)!r}")
+    return dev
+
+
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the ``*.safetensors`` files in ``path``.
 
     Raises:
-        CheckpointError: there are none.
+        CheckpointError: there are none, or one is not a readable safetensors file (truncated, corrupt).
     """
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"checkpoint directory {str(path)!r} has no *.safetensors file")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(f))
+        try:
+            weights.update(load_file(f))
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError, ValueError)
+            raise CheckpointError(f"weights file {str(f)!r} is not a readable safetensors file "
+                                  f"(truncated or corrupt?): {type(e).__name__}: {e}") from None
     return weights
 
 
@@ -91,7 +122,19 @@ def _load_hf_dir(path: Path, dtype, device, name: str) -> LlamaTarget:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"checkpoint directory {str(path)!r} has no config.json")
-    raw = json.loads(cfg_file.read_text())
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{str(cfg_file)!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{str(cfg_file)!r} must hold a JSON object, got {type(raw).__name__}")
+    try:
+        return _build_target(path, raw, dtype, device, name)
+    except KeyError as e:
+        raise CheckpointError(f"{str(cfg_file)!r} lacks the field {e.args[0]!r}") from None
+
+
+def _build_target(path: Path, raw: dict, dtype, device, name: str):
     if raw.get("model_type") in ("deepseek_v3", "kimi_k2"):
         from specdec.target.mla import MLAConfig, MLATarget
 
@@ -113,18 +156,49 @@ def _load_tokenizer(path: Path):
 def gguf_to_hf(gguf: Path, out: Path) -> Path:
     """Dequantize ``gguf`` into an HF directory at ``out`` once; return ``out``.
 
-    Writes to a temporary directory and renames it, so an interrupted
-    conversion never leaves a half-written cache behind.
+    Writes to a temporary directory and renames it, so an interrupted or failed
+    conversion never leaves a half-written cache (or an empty folder) behind.
+
+    Raises:
+        CheckpointError: ``gguf`` does not exist, is not a GGUF file (checked on its first
+            bytes, before any conversion), or the conversion fails.
     """
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     if not gguf.is_file():
         raise CheckpointError(f"GGUF file {str(gguf)!r} does not exist")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{str(gguf)!r} is not a GGUF file: it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r}")
     log.warning("converting %s to safetensors under %s (once; about a minute on a CPU)", gguf.name, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        _convert(gguf, tmp)
+    except BaseException as e:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception):
+            raise CheckpointError(f"converting {str(gguf)!r} failed: {type(e).__name__}: {e}") from e
+        raise
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+#: The first four bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
+
+
+def _convert(gguf: Path, tmp: Path) -> None:
+    """Dequantize ``gguf`` into the HF directory ``tmp`` (config.json, safetensors, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     cfg = model.config.to_dict()
@@ -135,9 +209,3 @@ def gguf_to_hf(gguf: Path, out: Path) -> Path:
     save_file(state, tmp / "model.safetensors")
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
     tokenizer.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
