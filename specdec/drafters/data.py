@@ -324,7 +324,7 @@ def magpie_prompts(engine, n: int, seed: int = 0, max_new_tokens: int = 64, prog
                                  seed=rng.randrange(2 ** 31) if temperature else None) for _ in prompts]
         outs = engine.generate(prompts, params, chat=False, progress=progress)
         for o, opening in zip(outs, openings):
-            if o.finish_reason != "stop":
+            if o.finish_reason not in ("eos", "stop"):
                 continue  # ran out of tokens: not a finished message
             msg = (opening + tok.decode(list(o.token_ids), skip_special_tokens=True)).strip()
             key = _norm_key(msg)
@@ -337,7 +337,7 @@ def magpie_prompts(engine, n: int, seed: int = 0, max_new_tokens: int = 64, prog
 # -- the command ---------------------------------------------------------------------------------
 def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fraction: float = 0.25,
           max_new_tokens: int = 384, batch_size: int = 256, seed: int = 0, kv_cache_bytes: int | None = None,
-          progress: bool = True) -> TokenData:
+          progress: bool = True, magpie_tokens: int = 64) -> TokenData:
     """Build the training data and save it under ``out`` (see the module docstring).
 
     ``kv_cache_bytes``: the engine's KV pool (default 16 GiB on CUDA, 1 GiB elsewhere).
@@ -351,7 +351,7 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
         kv_cache_bytes = (16 << 30) if target.device.type == "cuda" else (1 << 30)
     engine = SpecEngine(target, None, max_num_seqs=batch_size, kv_cache_bytes=kv_cache_bytes)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
-    magpie = magpie_prompts(engine, num_magpie, seed=seed, progress=progress)
+    magpie = magpie_prompts(engine, num_magpie, seed=seed, max_new_tokens=magpie_tokens, progress=progress)
     log(f"magpie: {len(magpie)} user messages in {time.perf_counter() - t0:.0f} s")
     code = code_prompts(num_code, seed=seed)
     log(f"code: {len(code)} tasks")
@@ -387,13 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-code", type=int, default=20000, help="code tasks from library functions")
     p.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="prompts that also get a sampled response (temperature 0.7-1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--max-new-tokens", type=int, default=384, help="most tokens of each response")
+    p.add_argument("--magpie-tokens", type=int, default=64, help="most tokens of each self-written user message")
     p.add_argument("--batch-size", type=int, default=256, help="requests generated at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
-    for name in ("num_magpie", "num_code", "max_new_tokens", "batch_size"):
+    for name in ("num_magpie", "num_code", "max_new_tokens", "batch_size", "magpie_tokens"):
         if getattr(args, name) < (0 if name.startswith("num") else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name.startswith('num') else 1}")
     if not 0 <= args.sampled_fraction <= 1:
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     check_device(args.device)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     data = build(target, args.out, args.num_magpie, args.num_code, args.sampled_fraction, args.max_new_tokens,
-                 args.batch_size, args.seed)
+                 args.batch_size, args.seed, magpie_tokens=args.magpie_tokens)
     print(json.dumps({"sequences": len(data), "tokens": int(data.offsets[-1]), **data.meta}))
     return 0
 
