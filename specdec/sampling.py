@@ -156,7 +156,7 @@ def shape_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [S, vocab], sorted
     cumulative = probs.cumsum(dim=-1)
     mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)  # [S, vocab]
-    drop |= mass_before >= top_p[:, None]  # top-p over the top-k renormalised mass
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # top-p over the top-k renormalised mass
     drop[:, 0] = False  # the top token always survives
     return z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
