@@ -21,7 +21,9 @@ class SamplingParams:
         top_p: keep the smallest set whose probability is >= top_p, in (0, 1].
         stop: strings that end generation; the stop string is not returned.
         ignore_eos: keep generating past the end-of-sequence token.
-        seed: seed of the request's own random generator (sampling only).
+        seed: fixes the sampling noise of each output position (sampling only): the same
+            seed gives the same tokens with any deterministic drafter (:mod:`specdec.sampling`);
+            ``None`` draws a random seed when the request is added.
     """
 
     max_new_tokens: int = 256
