@@ -21,8 +21,10 @@ class SamplingParams:
         top_p: keep the smallest set whose probability is >= top_p, in (0, 1].
         stop: strings that end generation; the stop string is not returned.
         ignore_eos: keep generating past the end-of-sequence token.
-        seed: seed of the request's own random generator (sampling only), an integer in
-            ``[0, 2**64)`` or ``None`` (a fresh seed); validated for greedy requests too.
+        seed: fixes the sampling noise of each output position (sampling only): the same
+            seed gives the same tokens with any deterministic drafter (:mod:`specdec.sampling`);
+            ``None`` draws a random seed when the request is added.
+            An integer in ``[0, 2**64)`` or ``None``; validated for greedy requests too.
 
     Raises:
         InvalidRequestError: a field has the wrong type or value (the message names it).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import secrets
 import time
 import warnings
 from collections.abc import Iterable, Sequence as Seq
@@ -28,7 +29,8 @@ from specdec.graphs import GraphPolicy
 from specdec.model_runner import ModelRunner, StepInput, StepResult
 from specdec.scheduler import ScheduledBatch, Scheduler, decide_kv_sharing
 from specdec.sequence import GenerationOutput, Sequence, Status, StepOutput
-from specdec.verify import greedy_verify, logits_to_probs, rejection_sample
+from specdec.sampling import RowSampling, request_key
+from specdec.verify import greedy_verify
 
 
 _SCRATCH = object()  # owns the padding slot in the page manager; never equal to a request id
@@ -242,11 +244,9 @@ class SpecEngine:
         req_id = str(next(self._ids)) if req_id is None else str(req_id)
         if req_id in self._seqs:
             raise InvalidRequestError(f"req_id {req_id!r} is already in use")
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-        seq = Sequence(req_id, ids, params, generator=gen)
+        # sampling draws its noise from the seed by position; without one, a random seed (specdec.sampling)
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        seq = Sequence(req_id, ids, params, seed=seed)
         self._seqs[req_id] = seq
         self._drafter_call(seq, "start_request", req_id, ids)
         self.scheduler.add(seq)
@@ -515,19 +515,21 @@ class SpecEngine:
         """Pack the step's tokens (context requests first) and the rows verification reads."""
         t0 = time.perf_counter()
         ids, positions, slots, ctx, gen, rows = [], [], [], [], [], []
+        sampling = RowSampling()  # the sampled rows; greedy rows take the argmax
         for seq, draft, group in itertools.chain(((s, None, ctx) for s in batch.context),
                                                  ((s, d, gen) for s, d in zip(batch.generation, drafts))):
             fed = seq.tokens[seq.num_cached:] + (list(draft.token_ids) if draft else [])
             start, stop = seq.num_cached, seq.num_cached + len(fed)
             # a context request's last token; a generation request's last token and its draft
+            if not seq.params.greedy:  # its rows predict positions len(tokens) ..
+                sampling.add(len(rows), seq.params, request_key(seq.seed), len(seq.tokens), draft)
             rows += range(len(ids) + len(fed) - 1 - (len(draft) if draft else 0), len(ids) + len(fed))
             ids += fed
             positions += range(start, stop)
             slots += self.manager.slots(seq.req_id, start, stop)
             group.append((len(fed), stop, tuple(self.manager.page_table(seq.req_id))))
-        greedy = all(s.params.greedy for s in itertools.chain(batch.context, batch.generation))
         self.timings["host_s"] += time.perf_counter() - t0
-        return StepInput(ids, positions, slots, ctx, gen, rows, greedy)
+        return StepInput(ids, positions, slots, ctx, gen, rows, sampling or None)
 
     def _launch(self, step: StepInput, ids_from: torch.Tensor | None = None) -> StepResult:
         """Queue one target forward (graph replay or eager); its time counts as forward time."""
@@ -587,7 +589,7 @@ class SpecEngine:
         slots = [self.manager.slots(seq.req_id, p, p + 1)[0] for seq, p in zip(seqs, positions)]
         gen = [(1, p + 1, tuple(self.manager.page_table(seq.req_id))) for seq, p in zip(seqs, positions)]
         n = len(seqs)
-        step = StepInput([0] * n, positions, slots, [], gen, list(range(n)), True)
+        step = StepInput([0] * n, positions, slots, [], gen, list(range(n)))
         self.timings["host_s"] += time.perf_counter() - t0
         ahead = self._launch(step, ids_from=result.argmax)
         self.timings["overlapped_steps"] += 1
@@ -611,21 +613,16 @@ class SpecEngine:
             self._inflight = None
 
     def _verify(self, batch: ScheduledBatch, drafts: list[Draft], result: StepResult) -> list[list[int]]:
+        """Host half of verification: the runner already put the target's token of every row on
+        the host, coupled to the row's draft (:mod:`specdec.sampling`), so every request, greedy
+        or sampled, keeps its drafts up to the first that differs from the target's token."""
         t0 = time.perf_counter()
-        seqs = batch.context + batch.generation
         all_drafts = [Draft()] * len(batch.context) + drafts
-        logits, argmax = result.logits, result.argmax
+        tokens = result.argmax  # [rows], the step's one synchronisation brought it here
         emitted, row = [], 0
-        for seq, d in zip(seqs, all_drafts):
-            n = len(d) + 1
-            if seq.params.greedy:
-                am = argmax[row:row + n] if argmax is not None else logits[row:row + n].argmax(-1).tolist()
-                emitted.append(greedy_verify(am, d.token_ids))
-            else:
-                p = logits_to_probs(logits[row:row + n], seq.params)
-                q = None if d.probs is None else d.probs.float().cpu()
-                emitted.append(rejection_sample(p.cpu(), d.token_ids, q, seq.generator))
-            row += n
+        for d in all_drafts:
+            emitted.append(greedy_verify(tokens[row:row + len(d) + 1], d.token_ids))
+            row += len(d) + 1
         self.timings["verify_s"] += time.perf_counter() - t0
         return emitted
 

@@ -1,9 +1,10 @@
 """`ModelRunner`: one target forward per engine step, eager or by CUDA-graph replay.
 
 The engine hands it a :class:`StepInput` (host lists); it returns the logits of
-the rows verification needs, their argmax on the host when every request is
-greedy (the step's one device-to-host synchronisation), and the drafter's
-target hidden states.
+the rows verification needs, the target's token at each of them on the host
+(the argmax of greedy rows, the seeded sample of sampled rows, see
+:mod:`specdec.sampling`; the step's one device-to-host synchronisation), and
+the drafter's target hidden states.
 
 Generation-only steps on CUDA replay a graph captured for their bucket
 (:mod:`specdec.graphs`) when the generation backend is capturable; so do
@@ -25,6 +26,7 @@ from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
 from specdec.attention.selector import select
 from specdec.capture import capture
 from specdec.graphs import GraphKey, GraphPolicy, graph_key, pad_step_into, prompt_graph_key, split_chunk
+from specdec.sampling import RowSampling, sample_rows
 
 
 @dataclass(slots=True)
@@ -35,7 +37,8 @@ class StepInput:
         input_ids, positions, slots: per token. ``[num_tokens]``
         context, generation: ``(q_len, kv_len, page_table)`` per request of each phase.
         rows: token rows whose logits verification reads, in order.
-        greedy: every request is greedy (only the argmax is needed on the host).
+        sampling: the rows of sampled requests and how to sample them; ``None`` when
+            every request is greedy (the argmax is the token of every row).
     """
 
     input_ids: list[int]
@@ -44,7 +47,7 @@ class StepInput:
     context: list[tuple[int, int, tuple[int, ...]]]
     generation: list[tuple[int, int, tuple[int, ...]]]
     rows: list[int]
-    greedy: bool
+    sampling: RowSampling | None = None
 
 
 @dataclass(slots=True)
@@ -53,16 +56,17 @@ class StepResult:
 
     Attributes:
         logits: fp32 logits of ``StepInput.rows``. ``[num_rows, vocab_size]``
-        argmax: their argmax when the step is greedy, else ``None``: a device tensor
-            after :meth:`ModelRunner.launch` (valid until the next launch), a host list
-            after :meth:`ModelRunner.finish`.
+        argmax: the target's token at each row: the argmax of greedy rows, the Gumbel-max
+            sample of sampled rows, coupled to their drafts (:func:`specdec.sampling.sample_rows`).
+            ``[num_rows]``: a device tensor after :meth:`ModelRunner.launch` (valid until the
+            next launch), a host list after :meth:`ModelRunner.finish`.
         hidden: the drafter's target layers, concatenated. ``[num_tokens, L * hidden_size]`` or ``None``
         backends: phase → attention backend that ran it.
         graph: whether a CUDA graph was replayed.
     """
 
     logits: torch.Tensor
-    argmax: list[int] | None
+    argmax: torch.Tensor | list[int]
     hidden: torch.Tensor | None
     backends: dict[str, str]
     graph: bool = False
@@ -202,6 +206,9 @@ class ModelRunner:
         else:
             self.stats["graph_steps"] += 1
             result = self._replay(key, backend, step, ids_from)
+        if step.sampling is not None:  # sampled rows: their tokens, still on the device
+            with torch.inference_mode():
+                result.argmax = sample_rows(result.logits, result.argmax, step.sampling)
         for phase, name in result.backends.items():
             self.stats["backends"][f"{phase}:{name}"] += 1
         if self.copy_argmax_out and isinstance(result.argmax, torch.Tensor) and result.argmax.is_cuda:
@@ -257,7 +264,7 @@ class ModelRunner:
             ctx, gen = (seqs, []) if key.phase == "context" else ([], seqs)
             rows = list(range(n)) if key.phase == "generation" else [n - 1]
             step = StepInput([0] * n, [p for q in q_lens for p in range(kv - q, kv)], [self.scratch_slot] * n,
-                             ctx, gen, rows, True)
+                             ctx, gen, rows)
             backend, why = self._graph_backend(key)
             if why:
                 return done - 1
@@ -287,7 +294,7 @@ class ModelRunner:
             rows = hidden if len(step.rows) == len(step.input_ids) else hidden[torch.tensor(step.rows, device=dev)]
             logits = self.target.compute_logits(rows)
             aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
-            argmax = logits.argmax(-1) if step.greedy else None
+            argmax = logits.argmax(-1)
         return StepResult(logits, argmax, aux, attn.backends)
 
     # -- graphs ----------------------------------------------------------------
@@ -304,7 +311,7 @@ class ModelRunner:
             logits, argmax = logits[:rows], argmax[:rows]
         if aux is not None and n < aux.shape[0]:
             aux = aux[:n]
-        return StepResult(logits, argmax if step.greedy else None, aux, {g.key.phase: g.backend.name}, graph=True)
+        return StepResult(logits, argmax, aux, {g.key.phase: g.backend.name}, graph=True)
 
     def _fill(self, g: _Captured, step: StepInput, ids_from: torch.Tensor | None = None) -> None:
         """Write the step's (padded) inputs into the graph's pinned buffers (their NumPy views), then

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.config import SamplingParams
 
 
@@ -117,7 +115,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""
-    generator: torch.Generator | None = None
+    seed: int = 0  # the sampling seed: params.seed, or one drawn at add_request (see specdec.sampling)
     stats: RequestStats = field(default_factory=RequestStats)
     started_at: float = 0.0
 

@@ -12,6 +12,10 @@ A verify step over ``k`` drafts therefore emits ``accepted + 1`` tokens, between
 
 Shapes: ``k`` drafts, ``vocab`` = vocabulary size; the target scores ``k + 1``
 positions (the last accepted token and each draft).
+
+This is the reference, one request at a time. The engine runs its batched twin,
+:mod:`specdec.sampling` (every row of a step on the device, seeded per position),
+which tests check against these functions.
 """
 
 from __future__ import annotations

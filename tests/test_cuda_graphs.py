@@ -241,7 +241,7 @@ class TestOnGPU:
 
         def step():
             return StepInput([seq.tokens[-1], 7, 8, 9, 10], list(range(n, n + 5)), engine.manager.slots(req, n, n + 5),
-                             [], [(5, n + 5, tuple(engine.manager.page_table(req)))], [0, 1, 2, 3, 4], True)
+                             [], [(5, n + 5, tuple(engine.manager.page_table(req)))], [0, 1, 2, 3, 4])
 
         first = engine.runner.execute(step())  # captures, then replays
         assert first.graph and first.backends == {"generation": "triton_gqa"}
