@@ -15,6 +15,13 @@ CK=specdec/drafters/checkpoints
 mkdir -p "$OUT"
 for part in "$@"; do
   case "$part" in
+    smoke)  # a minute: a tiny data build (sampled responses too) and 30 training steps of each kind
+      timeout 150 python -m specdec.drafters.data --out /tmp/smoke_data --num-magpie 64 --num-code 64 \
+        --sampled-fraction 0.3 --max-new-tokens 48 --batch-size 64 --device cuda 2>&1 | grep -v "it/s\]$" | tail -3
+      for kind in dflash dspark; do
+        timeout 150 python -m specdec.drafters.training --data /tmp/smoke_data --kind $kind --out /tmp/smoke-$kind \
+          --steps 30 --val-every 15 --val-fraction 0.1 2>&1 | tail -3
+      done ;;
     data)
       timeout 560 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \

@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from specdec.drafters.block import draft_from_hidden, init_weights, label_offsets, output_slots, rope_cos_sin, slot_logits
@@ -230,7 +231,9 @@ def block_hidden(net, embed: torch.Tensor, batch: FeatureBatch, anchors: torch.T
     pos = safe[..., None] + torch.arange(B, device=ctx.device)  # [S, A, B]
     rope = rope_cos_sin(pos.flatten(1), net.rope_dim, c.rope_theta, ctx.device)
     mask = anchor_block_mask(anchors, B, L)
-    h = net.run_block(embed[ids.flatten(1)].to(ctx.dtype), rope, ctx_kv, mask)  # [S, A*B, hidden]
+    # not cuDNN: it plans anew for every key count (44-763 ms each on the H200), and L varies by batch
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        h = net.run_block(embed[ids.flatten(1)].to(ctx.dtype), rope, ctx_kv, mask)  # [S, A*B, hidden]
     return h.view(S, A, B, -1)
 
 
