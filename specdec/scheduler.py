@@ -6,7 +6,7 @@ for each running request's next forward (the prompt for a context request,
 when the pool runs dry. It never overwrites another request's pages: the
 manager raises instead, and the scheduler waits or preempts.
 
-It also makes the one KV-sharing decision of DESIGN.md §3 from a drafter's
+It also makes the one KV-sharing decision of docs/design.md §3 from a drafter's
 declared hooks alone.
 """
 
@@ -27,7 +27,7 @@ class KVLayoutDecision:
 
     Attributes:
         shared: the drafter's layers are appended to the target's pool.
-        reason: the rule of DESIGN.md §3 that decided.
+        reason: the rule of docs/design.md §3 that decided.
         draft_tokens_per_block: page size of a separate draft pool (``None`` when shared or no layers).
         sharded: a separate pool is Helix-sharded like the target (False: unsharded).
     """
@@ -47,7 +47,7 @@ def decide_kv_sharing(
     helix_cp: int = 1,
     candidate_page_sizes: tuple[int, ...] = (16, 32, 64, 128, 8, 256, 4, 2, 1),
 ) -> KVLayoutDecision:
-    """The one KV-sharing decision (DESIGN.md §3), from declarations only.
+    """The one KV-sharing decision (docs/design.md §3), from declarations only.
 
     Args:
         draft_specs: the drafter's ``kv_layer_specs()``.

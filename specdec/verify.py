@@ -1,4 +1,4 @@
-"""Verification of drafted tokens against the target (DESIGN.md §6).
+"""Verification of drafted tokens against the target (docs/design.md §6).
 
 Pure functions, no engine state. Words used throughout:
 
@@ -38,7 +38,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     Applies, in order: temperature, top-k, top-p (nucleus), then renormalises.
     The baseline (null drafter) and the speculative path both call this, so
-    ``p`` is shaped identically in both (DESIGN.md §6).
+    ``p`` is shaped identically in both (docs/design.md §6).
 
     Top-p keeps the smallest prefix of the descending-sorted probabilities whose
     mass is ``>= top_p``; the most likely token is always kept. Top-k keeps

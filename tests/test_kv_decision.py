@@ -1,4 +1,4 @@
-"""The KV-sharing decision (DESIGN.md §3) and pool sizing arithmetic (§8)."""
+"""The KV-sharing decision (docs/design.md §3) and pool sizing arithmetic (§8)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The stateful test drives :class:`KVCacheManager` with random allocate / append /
 truncate / free sequences over a few requests and a small pool, and checks the
-invariants of DESIGN.md §3 and §8 after every operation: a page belongs to at
+invariants of docs/design.md §3 and §8 after every operation: a page belongs to at
 most one request, owned + free == all pages, each request owns exactly
 ``ceil(len / tokens_per_block)`` pages, and exhaustion raises
 :class:`PoolExhaustedError` exactly when the model says so, changing nothing.
@@ -287,7 +287,7 @@ def test_pool_tensors_and_appended_draft_layers():
     assert pool.specs[2:] == draft
     assert pool.v[2] is None and tuple(pool.k[2].shape) == (20, 1, 40)
     assert tuple(pool.v[3].shape) == (20, 2, 8) and pool.v[3].dtype == torch.bfloat16
-    # Capacity is sized on target + draft bytes per token (DESIGN.md §8).
+    # Capacity is sized on target + draft bytes per token (docs/design.md §8).
     assert pool.bytes_per_token == 2 * 1536 + 40 * 4 + 2 * (16 + 8) * 2
     assert list(pool.add_layers([])) == []
 

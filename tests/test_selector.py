@@ -1,4 +1,4 @@
-"""The attention backend selector over the whole ``AttnShape`` space (DESIGN.md §4).
+"""The attention backend selector over the whole ``AttnShape`` space (docs/design.md §4).
 
 The candidates are the registered backends plus test-local fakes whose
 ``supports`` refuse some shapes, the way real kernels do. Properties: auto

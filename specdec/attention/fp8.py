@@ -1,4 +1,4 @@
-"""FP8 (E4M3) inputs for attention over an FP8 KV cache (DESIGN.md §4).
+"""FP8 (E4M3) inputs for attention over an FP8 KV cache (docs/design.md §4).
 
 With an FP8 cache, attention computes on E4M3 values. A caller that already
 holds E4M3 K and V (and optionally an E4M3 Q with its scale) hands them in and

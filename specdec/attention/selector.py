@@ -1,4 +1,4 @@
-"""Pick an attention backend for a phase shape (DESIGN.md §4).
+"""Pick an attention backend for a phase shape (docs/design.md §4).
 
 ``select`` is the only place a backend is chosen. A requested backend is used
 if it supports the shape and refused with the reason otherwise; it is never

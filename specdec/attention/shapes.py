@@ -1,6 +1,6 @@
 """What a backend is asked to run: :class:`AttnShape`, and its answer, :class:`Verdict`.
 
-Backends decide from an ``AttnShape`` alone (DESIGN.md §4). One shape describes
+Backends decide from an ``AttnShape`` alone (docs/design.md §4). One shape describes
 one *phase* of a step: the context part or the generation part of a batch
 (the generation part of a mixed batch is a generation batch, with
 ``mixed=True``).

@@ -8,7 +8,7 @@ drives every drafter through one explicit request lifecycle::
            on_accepted(req_id, accepted_token_ids)
     stop_request(req_id)
 
-and decides how to cache it only from the hooks below (DESIGN.md §3); it
+and decides how to cache it only from the hooks below (docs/design.md §3); it
 never branches on a drafter's class or name.
 """
 
@@ -60,7 +60,7 @@ class Drafter:
 
     #: Registry name; set by :func:`register_drafter`.
     name: ClassVar[str] = ""
-    #: Output slot ``i`` predicts position ``anchor + i + shift_label`` (DESIGN.md §5).
+    #: Output slot ``i`` predicts position ``anchor + i + shift_label`` (docs/design.md §5).
     shift_label: int = 1
     #: Whether its attention can read context pages sharded across Helix ranks.
     reads_helix_sharded_ctx_pages: bool = False

@@ -7,7 +7,7 @@ inside the block. Target hidden states of ``target_layer_ids`` are
 concatenated, projected by ``fc`` and normalised (``hidden_norm``). Embedding
 and LM head are the target's (frozen, not stored again).
 
-``shift_label`` (DESIGN.md §5): output slot ``i`` predicts position
+``shift_label`` (docs/design.md §5): output slot ``i`` predicts position
 ``anchor + i + shift_label``; :func:`output_slots` is the one place that turns
 it into the draft width and the slots that draft.
 """

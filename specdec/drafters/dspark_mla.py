@@ -3,7 +3,7 @@
 The network is :mod:`specdec.drafters.block`'s DSpark (``shift_label = 1``,
 target hidden states projected by ``fc`` into context features, a block of
 ``B`` slots with no causal mask inside it), but every attention layer is
-DeepSeek-style MLA, absorbed as in :mod:`specdec.target.mla` (DESIGN.md §4):
+DeepSeek-style MLA, absorbed as in :mod:`specdec.target.mla` (docs/design.md §4):
 a position's context is stored as one latent "head" ``[c_kv, k_rope]`` of
 ``kv_lora_rank + qk_rope_head_dim`` values, K only (kv_factor 1, ``V = c_kv``).
 That is the layout of an MLA target's own layers, so the drafter's layers are

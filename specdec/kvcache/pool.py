@@ -1,7 +1,7 @@
 """Paged KV pool: the tensors of every layer that keeps context, page by page.
 
 A pool holds several layers, each described by a :class:`LayerSpec`. Target
-layers come first; a drafter's layers may be *appended* (DESIGN.md §3) so one
+layers come first; a drafter's layers may be *appended* (docs/design.md §3) so one
 page table per request addresses both. Every layer stores its cache flat over
 slots, ``[num_pages * tokens_per_block, num_kv_heads, head_dim]``, where slot
 ``page * tokens_per_block + offset`` holds one token.

@@ -1,4 +1,4 @@
-"""Pool capacity from a memory budget (DESIGN.md §8)."""
+"""Pool capacity from a memory budget (docs/design.md §8)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def num_pages_for_budget(budget_bytes: int, bytes_per_token: int, tokens_per_blo
 def allocator_cap_bytes(total: int, free: int, reserved_by_torch: int, outside: int = GiB) -> int:
     """The PyTorch caching-allocator cap that leaves room for the driver and transfers.
 
-    Keeps ``min(outside, free)`` bytes outside the cap (DESIGN.md §8), and never
+    Keeps ``min(outside, free)`` bytes outside the cap (docs/design.md §8), and never
     drops below what PyTorch already holds (``reserved_by_torch``): lowering the
     cap under live allocations would only make the next allocation fail.
 

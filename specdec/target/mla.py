@@ -3,7 +3,7 @@
 The cache keeps one "head" per token: the normalised latent ``c_kv``
 (``kv_lora_rank``, 512) followed by the roped shared key ``k_rope``
 (``qk_rope_head_dim``, 64), K-only. Attention is *absorbed* in every phase
-(DESIGN.md §4): ``q_nope`` goes through ``W_UK`` into the latent space, the
+(docs/design.md §4): ``q_nope`` goes through ``W_UK`` into the latent space, the
 backend attends ``[q_lat, q_rope]`` over ``[c_kv, k_rope]`` with ``V = c_kv``,
 and ``W_UV`` maps the latent output back to ``v_head_dim`` per head. The math
 is the one of ``transformers``' ``DeepseekV3ForCausalLM`` (checked in

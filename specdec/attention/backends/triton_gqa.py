@@ -1,4 +1,4 @@
-"""Paged GQA attention in Triton for Llama-family targets (DESIGN.md §4).
+"""Paged GQA attention in Triton for Llama-family targets (docs/design.md §4).
 
 One kernel serves every phase: decode (1 query token per request), verify
 (1 + k tokens, causal among the draft tokens), the generation part of a mixed

@@ -1,6 +1,6 @@
 """Triton paged MLA decode / verify: the generation phase of an absorbed-MLA layer.
 
-Absorbed MLA (DESIGN.md §4): every query head attends over one latent "KV head"
+Absorbed MLA (docs/design.md §4): every query head attends over one latent "KV head"
 whose rows hold ``latent`` values (also used as V) followed by ``rope`` values.
 Queries are ``[num_tokens, H, latent + rope]``, the cache is the pool's K-only
 layout ``[num_slots, 1, latent + rope]`` addressed through page tables
