@@ -197,7 +197,7 @@ def main() -> None:
         attention.pdl = target.pdl > 0  # attention launches as the GEMMs around it do
         for b in batches:
             ids = prompts(b, args.prompt_len, target.vocab_size)
-            # plain steps, so that launch and wait per step stay comparable between modes and sessions
+            # plain steps, so that launch and wait per step stay comparable between modes and runs
             engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=False))
             params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(ids, params)  # warm-up: compiles, captures the buckets
