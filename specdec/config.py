@@ -95,12 +95,19 @@ class EngineConfig:
             are unchanged (a request that ends at a step drops the next step's token); a request
             added meanwhile is admitted one step later. ``None`` (default): on where it helps,
             with the null drafter on CUDA (H200, SmolLM2: 1.12x tokens/s at batch 1, 1.35x at
-            32; BENCHMARKS.md, Session 5, with the commands); ``True``: required (an error with a drafter that drafts); ``False``: off.
+            32; BENCHMARKS.md, 'Batch 8 and 32: overlapped steps and prompt graphs', with the commands); ``True``: required (an error with a drafter that drafts); ``False``: off.
         prompt_graphs: prompt-only steps of at most 512 tokens replay CUDA graphs too
             (bucketed like generation steps; the logits of each request's last token), instead
             of launching some 150 kernels from Python (H200, SmolLM2, batch 1: 1.10x tokens/s
-            with the null drafter, 1.20x with the suffix drafter; BENCHMARKS.md, Session 5).
+            with the null drafter, 1.20x with the suffix drafter; BENCHMARKS.md, same section).
             ``False``: eager prompt steps.
+        draft_length: ``"fixed"`` verifies every drafted token (up to ``max_draft_tokens``);
+            ``"confidence"`` cuts each request's draft where expected accepted tokens per unit
+            of step cost stop rising, from the drafter's per-token confidences
+            (:mod:`specdec.draft_length`; drafts without confidences stay whole).
+        cost_profile: a saved :class:`~specdec.draft_length.CostProfile` (JSON) for
+            ``draft_length="confidence"``; ``None`` measures one at the first step that needs it
+            and caches it under ``~/.cache/specdec/cost_profiles`` (per target, device, page size).
     """
 
     max_draft_tokens: int = 8
@@ -117,8 +124,14 @@ class EngineConfig:
     batch_invariant: bool = False
     overlap_steps: bool | None = None
     prompt_graphs: bool = True
+    draft_length: str = "fixed"
+    cost_profile: str | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_length not in DRAFT_LENGTH_RULES:
+            raise ConfigError(f"draft_length must be one of {DRAFT_LENGTH_RULES}, got {self.draft_length!r}")
+        if self.cost_profile is not None and not isinstance(self.cost_profile, str):
+            raise ConfigError(f"cost_profile must be a path (str) to a saved CostProfile or None, got {self.cost_profile!r}")
         if not _is_int(self.max_draft_tokens) or self.max_draft_tokens < 0:
             raise ConfigError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
         if not _is_int(self.tokens_per_block) or self.tokens_per_block not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -184,6 +197,9 @@ def engine_config(base: EngineConfig | None, overrides: dict) -> EngineConfig:
         return base
     return EngineConfig(**{**{f: getattr(base, f) for f in base.__slots__}, **overrides})
 
+
+#: ``EngineConfig.draft_length`` rules.
+DRAFT_LENGTH_RULES = ("fixed", "confidence")
 
 #: ``EngineConfig.kv_cache_dtype`` names and the storage dtype each means (``None``: the compute dtype).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}

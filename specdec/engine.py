@@ -108,6 +108,9 @@ class SpecEngine:
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._last_backends: dict[str, str] = {}
+        self._cost_profile = None  # draft_length="confidence": loaded or measured at first use
+        #: draft_length="confidence": steps cut, tokens drafted and tokens kept for verification
+        self.draft_length_stats = {"steps": 0, "drafted": 0, "kept": 0}
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
                         "overlapped_steps": 0}
         #: drafter faults the engine contained: ``drafter_errors`` (a drafter call raised),
@@ -452,11 +455,44 @@ class SpecEngine:
                     drafts[s.req_id] = Draft()
                     self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
         out = [drafts.get(s.req_id, Draft()) for s in batch.generation]
+        if self.config.draft_length == "confidence" and any(d.confidence for d in out):
+            out = self._cut_drafts(out)
         for s, d, b in zip(batch.generation, out, batch.budgets):  # give back reserved slots the drafts did not use
             if len(d) < b:
                 self.manager.truncate(s.req_id, s.num_cached + 1 + len(d))
         self.timings["draft_s"] += time.perf_counter() - t0
         return out
+
+    def _cut_drafts(self, drafts: list[Draft]) -> list[Draft]:
+        """Each draft cut where its expected accepted tokens per unit of step cost stop rising
+        (:func:`specdec.draft_length.kept_lengths`, over this step's whole batch)."""
+        from specdec.draft_length import kept_lengths
+
+        keep = kept_lengths([d.confidence for d in drafts], [len(d) for d in drafts], self.cost_profile())
+        stats = self.draft_length_stats
+        stats["steps"] += 1
+        stats["drafted"] += sum(len(d) for d in drafts)
+        stats["kept"] += sum(keep)
+        return [d if k == len(d) else Draft(d.token_ids[:k], None, None if d.probs is None else d.probs[:k],
+                                            d.confidence[:k]) for d, k in zip(drafts, keep)]
+
+    def cost_profile(self):
+        """The step-cost profile ``draft_length="confidence"`` uses: ``EngineConfig.cost_profile`` if
+        given, else one measured for this target, device and page size, cached on disk."""
+        if self._cost_profile is None:
+            from specdec.draft_length import CostProfile, profile_key
+            from specdec.target.loading import cache_dir
+
+            if self.config.cost_profile is not None:
+                self._cost_profile = CostProfile.load(self.config.cost_profile)
+            else:
+                path = cache_dir() / "cost_profiles" / f"{profile_key(self.target, self.config.tokens_per_block)}.json"
+                if path.is_file():
+                    self._cost_profile = CostProfile.load(path)
+                else:
+                    self._cost_profile = CostProfile.measure(self.target, self.config.tokens_per_block)
+                    self._cost_profile.save(path)
+        return self._cost_profile
 
     def _drafts_of(self, asking: list[tuple[Sequence, int]], k: int) -> list:
         """The drafter's proposals for ``asking``, ``None`` for a request whose ``propose`` raised.
@@ -799,9 +835,18 @@ def _valid_draft(d, max_tokens: int, budget: int, vocab_size: int) -> Draft:
     if probs is not None and (not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (len(ids), vocab_size)):
         raise ValueError(f"draft probs must be None or a tensor [{len(ids)}, {vocab_size}], got "
                          f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+    conf = d.confidence
+    if conf is not None:
+        try:
+            conf = tuple(float(c) for c in conf if not isinstance(c, bool))
+        except (TypeError, ValueError):
+            conf = ()
+        if len(conf) != len(ids) or not all(0.0 <= c <= 1.0 for c in conf):
+            raise ValueError(f"draft confidence must be None or {len(ids)} numbers in [0, 1], got {d.confidence!r}")
     if len(ids) > budget:
         ids, probs = ids[:budget], None if probs is None else probs[:budget]
-    return Draft(ids, None, probs)
+        conf = None if conf is None else conf[:budget]
+    return Draft(ids, None, probs, conf)
 
 
 def _progress(total: int):

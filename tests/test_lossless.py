@@ -77,13 +77,18 @@ def test_matches_transformers_greedy(smollm2, baseline):
         assert list(out.token_ids) == want
 
 
-@pytest.mark.parametrize("drafter_cls", [DFlashDrafter, DSparkDrafter])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, batch_size):
-    """The shipped SmolLM2 DFlash / DSpark checkpoints, sharing the target's KV pool."""
-    prompts = _prompts()[:12]
+@pytest.mark.parametrize("drafter_cls,draft_length", [(DFlashDrafter, "fixed"), (DSparkDrafter, "confidence")])
+@pytest.mark.parametrize("batch_size", [1, 4, 8])
+def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, draft_length, batch_size, tmp_path):
+    """The shipped SmolLM2 DFlash / DSpark checkpoints, sharing the target's KV pool; DSpark with its
+    drafts cut by confidence (a cost profile where each verified row costs a tenth of a step)."""
+    from specdec.draft_length import CostProfile
+
+    CostProfile({(1, 1): 1.0, (1, 17): 2.6, (8, 8): 1.0, (8, 136): 13.8}, {}).save(tmp_path / "cost.json")
+    prompts = _prompts()
     drafter = drafter_cls()  # the shipped checkpoint for smollm2-135m
-    engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16)
+    engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16, draft_length=draft_length,
+                        cost_profile=str(tmp_path / "cost.json"))
     assert engine.kv_layout["shared"]
     outs = []
     for i in range(0, len(prompts), batch_size):
@@ -91,6 +96,9 @@ def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, bat
     for i, (base, spec) in enumerate(zip(baseline, outs)):
         assert spec.token_ids == base.token_ids, f"prompt {i} diverged ({drafter_cls.__name__}, batch {batch_size})"
     assert sum(o.stats.accepted for o in outs) > 0
+    if draft_length == "confidence":
+        s = engine.draft_length_stats
+        assert 0 < s["kept"] < s["drafted"]  # the rule cut some drafts
 
 
 def test_stop_strings_end_generation_identically(smollm2):

@@ -4,8 +4,8 @@ The candidates are the registered backends plus test-local fakes whose
 ``supports`` refuse some shapes, the way real kernels do. Properties: auto
 selection picks the cheapest backend that supports the shape and never one
 that does not; a requested backend is used or refused with its reason, never
-replaced. Named regressions come from the reference threads
-(``shared/reference/000``, ``001``, ``003``). Fakes are passed with
+replaced. Named regressions come from production failures: kernels that rejected
+64 < H < 128 heads and had no page-64 variant. Fakes are passed with
 ``backends=[...]`` so the global registry is left alone.
 """
 

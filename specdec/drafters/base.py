@@ -37,11 +37,16 @@ class Draft:
             (-1 for a child of the last accepted token); ``None`` means a chain.
         probs: the drafter's distribution each token was sampled from,
             ``[k, vocab_size]``; ``None`` means deterministic (one-hot q).
+        confidence: each token's probability of being accepted given that the tokens before
+            it were, ``[k]`` floats in [0, 1]; ``None``: no estimate. With
+            ``EngineConfig.draft_length="confidence"`` the engine cuts the draft by it
+            (:mod:`specdec.draft_length`).
     """
 
     token_ids: tuple[int, ...] = ()
     parents: tuple[int, ...] | None = None
     probs: "torch.Tensor | None" = None
+    confidence: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -53,6 +53,7 @@ class _ProposeGraph:
     dev: torch.Tensor  # the same on the device, read by the graph
     graph: "torch.cuda.CUDAGraph | None" = None
     tokens: torch.Tensor | None = None  # [rows, draft_width] int64
+    confidence: torch.Tensor | None = None  # [rows, draft_width] fp32, nets with a confidence head
 
 
 class BlockDrafter(Drafter):
@@ -221,11 +222,15 @@ class BlockDrafter(Drafter):
         if why:
             self.stats["eager_proposes"] += 1
             self.stats["eager_reasons"][why] += 1
-            tokens = self._draft(self._to_device(packed), cols, width)
+            tokens, conf = self._draft(self._to_device(packed), cols, width)
         else:
             self.stats["graph_proposes"] += 1
-            tokens = self._replay(packed, cols)[:, :width]
-        return [Draft(tuple(t)) for t in tokens[:n].tolist()]
+            tokens, conf = self._replay(packed, cols)
+            tokens, conf = tokens[:, :width], None if conf is None else conf[:, :width]
+        if conf is None:
+            return [Draft(tuple(t)) for t in tokens[:n].tolist()]
+        both = torch.cat([tokens[:n].float(), conf[:n].float()], 1).tolist()  # one sync (ids < 2**24: exact)
+        return [Draft(tuple(int(t) for t in row[:width]), confidence=tuple(row[width:])) for row in both]
 
     def _why_eager(self, n: int) -> str:
         """Why this propose cannot replay a graph ("" when it can)."""
@@ -266,9 +271,10 @@ class BlockDrafter(Drafter):
             return host.to(dev)
         return host.pin_memory().to(dev, non_blocking=True)
 
-    def _draft(self, packed: torch.Tensor, cols: int, width: int) -> torch.Tensor:
-        """Drafted tokens ``[rows, width]`` from packed inputs on the device; no host work, no
-        synchronisation (this is what a graph captures).
+    def _draft(self, packed: torch.Tensor, cols: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafted tokens ``[rows, width]`` and, with a confidence head, their acceptance
+        probabilities ``[rows, width]`` (else ``None``) from packed inputs on the device; no host
+        work, no synchronisation (this is what a graph captures).
 
         Args:
             packed: :meth:`_pack`'s array on the device, ``[rows, 2 * B + 1 + pages]``.
@@ -283,19 +289,20 @@ class BlockDrafter(Drafter):
                   for i in range(c.num_layers)]  # [rows, cols, Hkv, hd] each
         h = self.net.run_block(self._embed[ids], self._rope(pos), ctx_kv, block_mask(valid, B))  # [rows, B, hidden]
         first = self._slots.start
-        toks, _ = draft_from_hidden(self.net, h[:, first:first + width], ids[:, 0], self._lm_head, self._embed)
-        return toks  # [rows, width]
+        return draft_from_hidden(self.net, h[:, first:first + width], ids[:, 0], self._lm_head, self._embed,
+                                 with_confidence=True)
 
-    def _replay(self, packed: torch.Tensor, cols: int) -> torch.Tensor:
-        """Drafted tokens ``[rows, draft_width]`` of the bucket's graph (captured on first use)."""
+    def _replay(self, packed: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafted tokens ``[rows, draft_width]`` (and confidences) of the bucket's graph (captured on first use)."""
         key = (packed.shape[0], cols)
         g = self._graphs.get(key)
         if g is None:
-            return self._capture(key, packed).tokens
+            g = self._capture(key, packed)
+            return g.tokens, g.confidence
         g.host.copy_(packed)
         g.dev.copy_(g.host, non_blocking=True)
         g.graph.replay()
-        return g.tokens
+        return g.tokens, g.confidence
 
     def _capture(self, key: tuple[int, int], packed: torch.Tensor) -> _ProposeGraph:
         """Capture the bucket's graph; its warm-up (kernels compiled, plans made) runs outside it."""
@@ -312,7 +319,7 @@ class BlockDrafter(Drafter):
             self._mempool = torch.cuda.graph_pool_handle()
         g.graph = torch.cuda.CUDAGraph()
         with capture(g.graph, self._mempool):
-            g.tokens = self._draft(g.dev, cols, width)
+            g.tokens, g.confidence = self._draft(g.dev, cols, width)
         g.graph.replay()
         self._graphs[key] = g
         self.stats["graphs_captured"] += 1

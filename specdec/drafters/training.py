@@ -433,14 +433,16 @@ def train_block_drafter(target, data: TokenData, net, tc: TrainConfig, val: Toke
 
     if state is None and tc.max_seconds:  # turn the time budget into planned steps, before any update
         snap = (cursor, epoch, order)
-        for _ in range(2):
-            one_step(False)  # warm-up: kernels, allocator
-        _sync(dev)
-        t0 = time.perf_counter()
         for _ in range(5):
-            one_step(False)
+            one_step(False)  # warm-up: kernels, allocator, attention plans of the first shapes
         _sync(dev)
-        per_step = (time.perf_counter() - t0) / 5
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            one_step(False)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        per_step = sorted(times)[len(times) // 2]  # the median: a first-seen shape's one-off cost is not a step's
         val_s = 0.0
         if val is not None and len(val):
             t1 = time.perf_counter()
