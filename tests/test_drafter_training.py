@@ -354,3 +354,33 @@ def test_code_prompts_are_seeded_and_come_from_library_functions():
                                      ("1234 5678 9012 3456 7890", False)])
 def test_magpie_filter(text, ok):
     assert keep_message(text) is ok
+
+
+def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory, capsys):
+    from helpers import tiny_llama
+
+    from specdec.drafters.training import main
+
+    tpath = tmp_path_factory.mktemp("cli_target")
+    tiny_llama(tpath, "cpu")
+    data_dir = tmp_path_factory.mktemp("cli_data")
+    toy_data(16).save(data_dir)
+    out = tmp_path_factory.mktemp("cli_out")
+    common = ["--data", str(data_dir), "--target", str(tpath), "--num-layers", "1", "--intermediate-size", "32",
+              "--num-target-layers", "2", "--device", "cpu", "--dtype", "float32", "--seqs-per-step", "2",
+              "--anchors", "2", "--val-every", "2", "--val-fraction", "0.3", "--block-size", "4"]
+    assert main(common + ["--kind", "dspark", "--out", str(out), "--steps", "4"]) == 0
+    rec = json.loads((out / "training.json").read_text())
+    assert rec["steps_run"] == 4 and rec["planned_steps"] == 4 and len(rec["val"]) == 2
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kind"] == "dspark"
+    net = BlockDrafterNet.load(out)
+    assert net.config.markov_rank == 64 and net.config.confidence_head and net.config.num_layers == 1
+    more = tmp_path_factory.mktemp("cli_more")
+    assert main(common + ["--kind", "dspark", "--out", str(more), "--steps", "2", "--init", str(out)]) == 0
+    assert json.loads((more / "training.json").read_text())["steps_run"] == 2
+    with pytest.raises(SystemExit):
+        main(common + ["--kind", "dflash", "--out", str(more), "--init", str(out)])  # not a DFlash checkpoint
+    with pytest.raises(SystemExit):
+        main(common + ["--kind", "dspark", "--out", str(more), "--init", str(out), "--resume", str(out)])
+    with pytest.raises(CheckpointError, match="manifest"):
+        main(["--data", str(tmp_path_factory.mktemp("empty")), "--out", str(more), "--device", "cpu"])

@@ -610,7 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", required=True, help="folder written by python -m specdec.drafters.data")
     p.add_argument("--kind", choices=sorted(KIND_SETTINGS), default="dspark")
     p.add_argument("--out", required=True, help="checkpoint folder (best weights, training.json, training.png)")
-    p.add_argument("--resume", default=None, help="a checkpoint folder of an earlier run to continue")
+    p.add_argument("--resume", default=None, help="a checkpoint folder of an earlier, unfinished run: continue its plan")
+    p.add_argument("--init", default=None, help="start from this checkpoint's weights with a new plan (more training "
+                                                "for a drafter whose plan is done)")
+    p.add_argument("--stop-after", type=float, default=None,
+                   help="stop (and save the state) after this many seconds, whatever the plan; --resume continues")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--num-layers", type=int, default=3, help="drafter decoder layers")
@@ -640,8 +644,12 @@ def main(argv: list[str] | None = None) -> int:
                      val_every=args.val_every, seed=args.seed)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     train, val = data.split(args.val_fraction, seed=args.seed)
-    if args.resume:
-        net = BlockDrafterNet.load(args.resume)
+    if args.resume and args.init:
+        p.error("--resume and --init exclude each other")
+    if args.resume or args.init:
+        net = BlockDrafterNet.load(args.resume or args.init)
+        if net.config.shift_label != k["shift_label"]:
+            p.error(f"the checkpoint is not a {args.kind} drafter (shift_label {net.config.shift_label})")
     else:
         tcfg = target.config
         net = new_net(BlockDrafterConfig(
@@ -656,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{args.kind}: {len(train)} training sequences, {len(val)} validation; "
         f"{sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters")
     net, record = train_block_drafter(target, train, net, tc, val=val, out=args.out, resume=args.resume,
-                                      progress=sys.stderr.isatty(), log=log)
+                                      progress=sys.stderr.isatty(), log=log, stop_after_seconds=args.stop_after)
     best = record.get("best", {})
     print(json.dumps({"kind": args.kind, "steps_run": record["steps_run"], "planned_steps": record["planned_steps"],
                       "seconds": round(record["seconds"], 1), "best": best, "tokens_seen": record["tokens_seen"]}))
