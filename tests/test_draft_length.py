@@ -7,7 +7,6 @@ import itertools
 import json
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -10,33 +10,28 @@ import random
 import numpy as np
 import pytest
 import torch
-import transformers
+from helpers import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import SamplingParams, SpecEngine
 from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, block_mask, draft_from_hidden, init_weights,
-                                    label_offsets, output_slots, slot_logits)
+                                    label_offsets, slot_logits)
 from specdec.drafters.data import TokenData, code_prompts, keep_message
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
 from specdec.drafters.training import (TrainConfig, anchor_block_mask, anchors_from_uniform, block_hidden, block_labels,
                                        block_loss, distill_tokens, lr_factor, new_net, simulated_tau, target_features,
                                        train_block_drafter)
 from specdec.errors import CheckpointError, ConfigError
-from specdec.target import load_target
 
 VOCAB, HIDDEN = 64, 32
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_target")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160,
-                                   initializer_range=0.3, eos_token_id=VOCAB - 1)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return load_target(path)
+    """A random 3-layer Llama with a LM head of usable logit scale."""
+    return tiny_llama(tmp_path_factory.mktemp("tiny_target"), "cpu", num_hidden_layers=3,
+                      max_position_embeddings=160, initializer_range=0.3)
 
 
 def cfg(shift: int, **kw) -> BlockDrafterConfig:
@@ -293,6 +288,7 @@ def test_training_converges_and_validation_tau_rises(trained, name):
     assert rec["tokens_seen"] > 0 and len(rec["lr"]) == rec["steps_run"] == 120
     saved = json.loads((folder / "training.json").read_text())
     assert saved["best"] == rec["best"]
+    assert (folder / "training.png").read_bytes()[:4] == b"\x89PNG"
     if name == "dspark":
         assert 0 <= rec["best"]["conf_ece"] < 0.25  # calibrated roughly, even this small
 
@@ -357,8 +353,6 @@ def test_magpie_filter(text, ok):
 
 
 def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory, capsys):
-    from helpers import tiny_llama
-
     from specdec.drafters.training import main
 
     tpath = tmp_path_factory.mktemp("cli_target")
