@@ -18,6 +18,10 @@
 #   bash bench/device_gpu.sh pgoverlap # batch 1, tuned suffix drafter: prompt graphs and overlapped steps on and off,
 #                                      # in one run (REPEAT rounds, default 2; CPROFILE=N: + a cProfile of each
 #                                      # system over N prompts, untimed)
+#   bash bench/device_gpu.sh sampling  # greedy, half-sampled and all-sampled batches of 32 Spec-Bench prompts, null and
+#                                      # suffix: step time vs all-greedy, greedy rows and seeded rows equal (REPEAT:
+#                                      # rounds, default 1). Needs .evaldata/question.jsonl (git-ignored evaluation
+#                                      # data): name .evaldata in the call's carry
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -41,6 +45,10 @@ for part in "$@"; do
         --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf ${CPROFILE:+--cprofile $CPROFILE} \
         --out "$OUT/e2e_pgoverlap" 2>&1 \
         | grep "^|" ;;
+    sampling)  # sampled and greedy requests in one batch (issue 16's acceptance); .evaldata must be carried
+      timeout 300 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
+        --max-new-tokens 256 --device cuda --dtype bfloat16 ${REPEAT:+--repeat $REPEAT} --out "$OUT/sampling_mix" 2>&1 \
+        | grep -E "^\||^\`|Error|error" ;;
     realtests)  # the real model on the GPU only (strict lossless in fp32, bf16 batch-invariant)
       timeout 300 python -m pytest tests/test_cuda_graphs.py -k TestSmolLM2OnGPU -p no:cacheprovider -rs -o addopts= \
         2>&1 | tail -8 | tee "$OUT/gpu_tests_real.txt" ;;
