@@ -46,4 +46,4 @@ def test_cli_generate_and_bench():
     assert "tokens/s=" in bench.stdout
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "x", "--max-new-tokens", "0"],
                          capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "max_new_tokens" in bad.stderr
+    assert bad.returncode == 2 and "--max-new-tokens" in bad.stderr  # names the flag as typed
