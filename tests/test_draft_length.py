@@ -142,3 +142,18 @@ def test_dspark_drafts_carry_calibrated_looking_confidences(tiny):
     while e.has_unfinished():
         e.step()
     assert json.dumps(e.draft_length_stats)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_suffix_drafter_cut_by_its_counts_is_lossless(tiny, tmp_path, batch):
+    from specdec.drafters import SuffixAutomatonDrafter
+
+    CostProfile({(1, 1): 1.0, (1, 9): 2.0, (4, 4): 1.0, (4, 36): 2.5}, {}).save(tmp_path / "p.json")
+    prompts = [[1, 2, 3, 4] * 4, [5, 6, 7] * 5, [9, 9, 9, 9, 9], [11, 12, 13, 11, 12, 13]]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    base = SpecEngine(tiny, max_num_seqs=batch).generate(prompts, params)
+    e = SpecEngine(tiny, SuffixAutomatonDrafter(), max_num_seqs=batch, draft_length="confidence",
+                   cost_profile=str(tmp_path / "p.json"))
+    outs = e.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert e.draft_length_stats["steps"] > 0 and e.draft_length_stats["kept"] <= e.draft_length_stats["drafted"]

@@ -246,11 +246,11 @@ def test_local_draft_length_follows_match_length(prompt, response, max_draft, mi
 def test_global_corpus_drafts_and_separators():
     drafter = SuffixAutomatonDrafter(corpus=[[1, 2, 3], [4, 5, 6], [5, 6, 7, 8, 9]], min_token_prob=0.0)
     drafter.start_request("a", [0, 5, 6])
-    assert drafter.propose(["a"], 8) == [Draft((7, 8))]  # match "5 6" (2 tokens) -> 2 tokens
+    assert [d.token_ids for d in drafter.propose(["a"], 8)] == [(7, 8)]  # match "5 6" (2 tokens) -> 2 tokens
     drafter.start_request("b", [2, 3])
-    assert drafter.propose(["b"], 8) == [Draft()]  # "2 3" ended a document: nothing follows
+    assert [d.token_ids for d in drafter.propose(["b"], 8)] == [()]  # "2 3" ended a document: nothing follows
     drafter.start_request("c", [3, 4])
-    assert drafter.propose(["c"], 8) == [Draft((5,))]  # "3 4" spans a boundary: only "4" matches
+    assert [d.token_ids for d in drafter.propose(["c"], 8)] == [(5,)]  # "3 4" spans a boundary: only "4" matches
 
 
 @pytest.mark.parametrize("use_global", [True, False])
@@ -263,7 +263,7 @@ def test_finished_responses_feed_later_requests(use_global):
     drafter.start_request("second", [9, 9])
     drafter.on_accepted("second", response[:5])
     (draft,) = drafter.propose(["second"], 8)
-    assert draft == (Draft(tuple(response[5:10])) if use_global else Draft())
+    assert draft.token_ids == (tuple(response[5:10]) if use_global else ())
 
 
 def test_registered_and_request_state_freed():
@@ -455,3 +455,19 @@ def test_finished_responses_are_indexed_by_overlap():
     assert drafter._global.num_states > before
     drafter.overlap()  # nothing left to do
     assert drafter._global.num_states > before
+
+
+def test_drafts_carry_the_continuation_counts_estimates():
+    """Each drafted token's confidence is its continuation estimate (count + 1) / (total + distinct)."""
+    sam = SuffixAutomaton([1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2])
+    toks, probs = sam.walk_scored(sam.match_state(), 4)
+    assert toks == sam.walk(sam.match_state(), 4) and len(probs) == len(toks)
+    assert toks[0] == 3 and all(0 < p <= 1 for p in probs)  # "1 2" went on to 3, 4 and 3: 3, not sure
+    sure = SuffixAutomaton([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6])  # "5 6" always went on to 7
+    s_toks, s_probs = sure.walk_scored(sure.match_state(), 1)
+    assert s_toks == [7] and s_probs[0] > probs[0]
+    drafter = SuffixAutomatonDrafter(use_global=False)
+    drafter.start_request("r", [1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2])
+    (draft,) = drafter.propose(["r"], 4)
+    n = len(draft)  # the drafter may cut the walk (match_len_factor)
+    assert n > 0 and draft.token_ids == tuple(toks[:n]) and draft.confidence == pytest.approx(tuple(probs[:n]))

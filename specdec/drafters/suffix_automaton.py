@@ -164,7 +164,11 @@ class SuffixAutomaton:
         return self._len[m], self._pos[m]
 
     def walk(self, state: int, max_tokens: int, min_prob: float = 0.0) -> list[int]:
-        """Read a likely continuation of the strings of ``state``.
+        """Read a likely continuation of the strings of ``state`` (:meth:`walk_scored` without the scores)."""
+        return self.walk_scored(state, max_tokens, min_prob)[0]
+
+    def walk_scored(self, state: int, max_tokens: int, min_prob: float = 0.0) -> tuple[list[int], list[float]]:
+        """Read a likely continuation of the strings of ``state``, with each token's estimated probability.
 
         At each step it takes the most often observed continuation (else the
         one after the first occurrence), whose probability is estimated as
@@ -178,10 +182,12 @@ class SuffixAutomaton:
             min_prob: confidence threshold in ``[0, 1]``.
 
         Returns:
-            Tokens ``d`` such that (any string of ``state``) + ``d`` occurs in the text.
+            ``(d, p)``: tokens ``d`` such that (any string of ``state``) + ``d`` occurs in the
+            text, and ``p[j]``, the estimated probability of ``d[j]`` after ``d[:j]`` (in (0, 1]).
         """
         nxt, pos, tokens, all_stats = self._next, self._pos, self.tokens, self._stats
         out: list[int] = []
+        probs: list[float] = []
         prob = 1.0
         while len(out) < max_tokens:
             trans = nxt[state]
@@ -192,12 +198,14 @@ class SuffixAutomaton:
                 tok, hits, total = tokens[pos[state] + 1], 0, 0
             else:
                 total, tok, hits = stats[0], stats[1], stats[2]
-            prob *= (hits + 1) / (total + len(trans))
+            step = (hits + 1) / (total + len(trans))
+            prob *= step
             if tok < 0 or prob < min_prob:
                 break
             out.append(tok)
+            probs.append(step)
             state = trans[tok]
-        return out
+        return out, probs
 
 
 class Matcher:
@@ -360,9 +368,9 @@ class SuffixAutomatonDrafter(Drafter):
             if length < self.min_match_len:
                 continue
             budget = min(k, math.ceil(self.match_len_factor * length))
-            tokens = automaton.walk(state, budget, self.min_token_prob)
-            if tokens:
-                return Draft(tuple(tokens))
+            tokens, probs = automaton.walk_scored(state, budget, self.min_token_prob)
+            if tokens:  # confidence: the continuation counts' estimate of each token (draft_length="confidence")
+                return Draft(tuple(tokens), confidence=tuple(probs))
         return EMPTY_DRAFT
 
     def on_accepted(self, req_id: str, token_ids: Sequence[int]) -> None:
