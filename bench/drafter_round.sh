@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine (after the stage-for-device.sh stashes): one round of the block-drafter recipe.
 #   bash bench/drafter_round.sh data    # build the training data under $DATA (default /tmp/drafter_data);
-#                                       # its shards and manifest come back under $OUT/data
+#                                       # its shards and manifest come back under $OUT/data. PART=I/N builds
+#                                       # part I of N (a large set over several calls; train on every part)
 #   bash bench/drafter_round.sh train   # train DFlash and DSpark side by side on $DATA for $SECONDS (default 420)
 #                                       # each, into specdec/drafters/checkpoints/ (RESUME=1: continue the
 #                                       # checkpoints there); weights, training.json and plots come back
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
-# Knobs: MAGPIE, CODE (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH.
+# Knobs: MAGPIE, CODE (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART;
+# DATA may name several folders (the parts), space-separated, for train.
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -25,12 +27,12 @@ for part in "$@"; do
     data)
       timeout 560 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
-        --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
+        --part "${PART:-0/1}" --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
     train)
       for kind in dflash dspark; do
         resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
-        timeout 580 python -m specdec.drafters.training --data "$DATA" --kind $kind --out "/tmp/ck-$kind" \
+        timeout 580 python -m specdec.drafters.training --data $DATA --kind $kind --out "/tmp/ck-$kind" \
           --max-seconds "${SECONDS_BUDGET:-420}" $resume > "$OUT/train_$kind.log" 2>&1 &
       done
       wait

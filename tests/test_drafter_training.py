@@ -378,3 +378,20 @@ def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory,
         main(common + ["--kind", "dspark", "--out", str(more), "--init", str(out), "--resume", str(out)])
     with pytest.raises(CheckpointError, match="manifest"):
         main(["--data", str(tmp_path_factory.mktemp("empty")), "--out", str(more), "--device", "cpu"])
+
+
+def test_parts_of_a_data_set_join_and_the_command_checks_its_flags(tmp_path):
+    from specdec.drafters.data import main as data_main
+
+    a, b = toy_data(5, seed=1), toy_data(3, seed=2)
+    a.save(tmp_path / "a")
+    b.save(tmp_path / "b")
+    both = TokenData.concat([TokenData.load(tmp_path / "a"), TokenData.load(tmp_path / "b")])
+    assert len(both) == 8 and [both.sequence(i).tolist() for i in range(8)] == \
+        [a.sequence(i).tolist() for i in range(5)] + [b.sequence(i).tolist() for i in range(3)]
+    assert both.prompt_lens.tolist() == a.prompt_lens.tolist() + b.prompt_lens.tolist()
+    for bad in (["--part", "2/2"], ["--part", "x"], ["--num-code", "-1"], ["--sampled-fraction", "2"]):
+        with pytest.raises(SystemExit):
+            data_main(["--out", str(tmp_path / "c"), "--device", "cpu", *bad])
+    with pytest.raises(ConfigError):
+        TokenData.concat([])

@@ -150,6 +150,20 @@ class TokenData:
                    np.concatenate([p["prompt_lens"] for p in parts]), np.concatenate([p["source"] for p in parts]),
                    np.concatenate([p["temperature"] for p in parts]), meta)
 
+    @classmethod
+    def concat(cls, parts: "list[TokenData]") -> "TokenData":
+        """The sequences of every part, in order (meta: the first part's, with ``parts`` listing all)."""
+        if not parts:
+            raise ConfigError("concat needs at least one TokenData")
+        offsets, base = [np.zeros(1, dtype=np.int64)], 0
+        for d in parts:
+            offsets.append(d.offsets[1:] + base)
+            base += int(d.offsets[-1])
+        meta = {**parts[0].meta, "parts": [d.meta for d in parts]} if len(parts) > 1 else dict(parts[0].meta)
+        return cls(np.concatenate([d.tokens for d in parts]), np.concatenate(offsets),
+                   np.concatenate([d.prompt_lens for d in parts]), np.concatenate([d.source for d in parts]),
+                   np.concatenate([d.temperature for d in parts]), meta)
+
     def split(self, val_fraction: float = 0.01, seed: int = 0) -> tuple["TokenData", "TokenData"]:
         """(train, validation): validation takes greedy sequences chosen by a hash of their tokens and
         ``seed``, so the split does not depend on order or on the machine."""
@@ -337,25 +351,32 @@ def magpie_prompts(engine, n: int, seed: int = 0, max_new_tokens: int = 64, prog
 # -- the command ---------------------------------------------------------------------------------
 def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fraction: float = 0.25,
           max_new_tokens: int = 384, batch_size: int = 256, seed: int = 0, kv_cache_bytes: int | None = None,
-          progress: bool = True, magpie_tokens: int = 64) -> TokenData:
+          progress: bool = True, magpie_tokens: int = 64, part: int = 0, num_parts: int = 1) -> TokenData:
     """Build the training data and save it under ``out`` (see the module docstring).
 
-    ``kv_cache_bytes``: the engine's KV pool (default 16 GiB on CUDA, 1 GiB elsewhere).
+    Args:
+        kv_cache_bytes: the engine's KV pool (default 16 GiB on CUDA, 1 GiB elsewhere).
+        part, num_parts: build only part ``part`` of ``num_parts`` (a share of every source, its
+            own seeds), so that a large set is built over several runs; :meth:`TokenData.concat`
+            (or several ``--data`` folders in training) joins the parts.
     """
+    if not 0 <= part < num_parts:
+        raise ConfigError(f"part must be in [0, num_parts={num_parts}), got {part}")
     from specdec import SamplingParams, SpecEngine
     from specdec.prompts import DEV_SPLIT, humaneval_prompts
 
     t0 = time.perf_counter()
-    rng = random.Random(seed)
+    rng = random.Random(seed + 7919 * part)
     if kv_cache_bytes is None:
         kv_cache_bytes = (16 << 30) if target.device.type == "cuda" else (1 << 30)
     engine = SpecEngine(target, None, max_num_seqs=batch_size, kv_cache_bytes=kv_cache_bytes)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
-    magpie = magpie_prompts(engine, num_magpie, seed=seed, max_new_tokens=magpie_tokens, progress=progress)
+    magpie = magpie_prompts(engine, -(-num_magpie // num_parts), seed=seed + 7919 * part, max_new_tokens=magpie_tokens,
+                            progress=progress)
     log(f"magpie: {len(magpie)} user messages in {time.perf_counter() - t0:.0f} s")
-    code = code_prompts(num_code, seed=seed)
+    code = code_prompts(num_code, seed=seed)[part::num_parts]
     log(f"code: {len(code)} tasks")
-    heval = humaneval_prompts(DEV_SPLIT)
+    heval = humaneval_prompts(DEV_SPLIT[part::num_parts])
     prompts = [(p, 0) for p in magpie] + [(p, 1) for p in code] + [(p, 2) for p in heval]
     jobs = [(p, s, 0.0) for p, s in prompts]
     jobs += [(p, s, rng.choice((0.7, 0.8, 0.9, 1.0))) for p, s in prompts if rng.random() < sampled_fraction]
@@ -367,7 +388,7 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
     seqs = [list(o.prompt_token_ids) + list(o.token_ids) for o in outs]
     new_tokens = sum(len(o.token_ids) for o in outs)
     log(f"responses: {len(outs)} ({new_tokens} new tokens) in {gen_s:.0f} s")
-    meta = {"seed": seed, "num_magpie": len(magpie), "num_code": len(code), "num_humaneval": len(heval),
+    meta = {"seed": seed, "part": part, "num_parts": num_parts, "num_magpie": len(magpie), "num_code": len(code), "num_humaneval": len(heval),
             "sampled_fraction": sampled_fraction, "max_new_tokens": max_new_tokens, "new_tokens": new_tokens,
             "generate_seconds": round(gen_s, 1), "total_seconds": round(time.perf_counter() - t0, 1),
             "evaluation_sets_excluded": ["HumanEval 100-163", "Spec-Bench"]}
@@ -391,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--magpie-tokens", type=int, default=64, help="most tokens of each self-written user message")
     p.add_argument("--batch-size", type=int, default=256, help="requests generated at once")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--part", default="0/1", help="build part I of N (I/N, 0-based): a share of every source")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
@@ -399,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name.startswith('num') else 1}")
     if not 0 <= args.sampled_fraction <= 1:
         p.error("--sampled-fraction must be in [0, 1]")
+    try:
+        part, num_parts = (int(x) for x in args.part.split("/"))
+        assert 0 <= part < num_parts
+    except (ValueError, AssertionError):
+        p.error(f"--part must be I/N with 0 <= I < N, got {args.part!r}")
     import torch
 
     from specdec.target import load_target
@@ -407,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     check_device(args.device)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     data = build(target, args.out, args.num_magpie, args.num_code, args.sampled_fraction, args.max_new_tokens,
-                 args.batch_size, args.seed, magpie_tokens=args.magpie_tokens)
+                 args.batch_size, args.seed, magpie_tokens=args.magpie_tokens, part=part, num_parts=num_parts)
     print(json.dumps({"sequences": len(data), "tokens": int(data.offsets[-1]), **data.meta}))
     return 0
 

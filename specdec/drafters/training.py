@@ -607,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="specdec train-drafter", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", required=True, help="folder written by python -m specdec.drafters.data")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="folder(s) written by python -m specdec.drafters.data (several: the parts of one set)")
     p.add_argument("--kind", choices=sorted(KIND_SETTINGS), default="dspark")
     p.add_argument("--out", required=True, help="checkpoint folder (best weights, training.json, training.png)")
     p.add_argument("--resume", default=None, help="a checkpoint folder of an earlier, unfinished run: continue its plan")
@@ -637,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.target.loading import check_device
 
     check_device(args.device)  # typed errors before the model loads
-    data = TokenData.load(args.data)
+    data = TokenData.concat([TokenData.load(d) for d in args.data])
     k = KIND_SETTINGS[args.kind]
     tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
                      tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"], max_seconds=args.max_seconds,
