@@ -373,3 +373,27 @@ class TestOnGPU:
             if graphs:
                 assert d.stats["graph_proposes"] > 0 and d.stats["eager_proposes"] == 0
         assert outs["graph"] == outs["eager"] == outs["null"]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_all_layers_context_kv_in_one_projection_equals_each_layer(qk_norm):
+    from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights, rope_cos_sin
+
+    cfg = BlockDrafterConfig(block_size=4, shift_label=1, target_layer_ids=(0,), target_hidden_size=32,
+                             vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                             intermediate_size=64, qk_norm=qk_norm)
+    net = init_weights(BlockDrafterNet(cfg), seed=1)
+    if qk_norm:
+        with torch.no_grad():
+            for L in net.layers:
+                L.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    ctx, pos = torch.randn(7, 32), torch.arange(3, 10)
+    rope = rope_cos_sin(pos, 8, cfg.rope_theta)
+    got = net.context_kv_all(ctx, pos, rope)
+    for i, (k, v) in enumerate(got):
+        k_ref, v_ref = net.context_kv(i, ctx, pos, rope)
+        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        net.layers[1].self_attn.v_proj.weight.mul_(2)  # a changed weight is seen (the stacked copy is rebuilt)
+    torch.testing.assert_close(net.context_kv_all(ctx, pos, rope)[1][1], net.context_kv(1, ctx, pos, rope)[1])

@@ -290,6 +290,32 @@ class BlockDrafterNet(nn.Module):
             rope = rope_cos_sin(positions, c.head_dim, c.rope_theta, k.device)
         return rotate(k, *rope), v
 
+    def context_kv_all(self, ctx: torch.Tensor, positions: torch.Tensor, rope=None):
+        """Every layer's :meth:`context_kv` at once: one projection for all layers' K and V (their
+        weights stacked, cached until a weight changes), one RoPE over all layers' keys.
+
+        Returns:
+            per layer ``(k, v)``, each ``[n, Hkv, hd]`` (views of one ``[n, layers, 2, Hkv, hd]`` tensor).
+        """
+        c = self.config
+        ws = [w for L in self.layers for w in (L.self_attn.k_proj.weight, L.self_attn.v_proj.weight)]
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        cached = self.__dict__.get("_kv_weight")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat(ws, 0))  # [layers * 2 * Hkv * hd, hidden]
+            self.__dict__["_kv_weight"] = cached
+        n, Lk = ctx.shape[0], c.num_layers
+        kv = F.linear(ctx, cached[1]).view(n, Lk, 2, c.num_kv_heads, c.head_dim)
+        k = kv[:, :, 0]
+        if c.qk_norm:
+            k = torch.stack([_rms(k[:, i], L.self_attn.k_norm.weight, c.rms_norm_eps)
+                             for i, L in enumerate(self.layers)], 1)
+        if rope is None:
+            rope = rope_cos_sin(positions, c.head_dim, c.rope_theta, k.device)
+        cos, sin = rope  # [n, 1, hd] each
+        k = rotate(k.reshape(n, Lk * c.num_kv_heads, c.head_dim), cos, sin).view(n, Lk, c.num_kv_heads, c.head_dim)
+        return [(k[:, i], kv[:, i, 1]) for i in range(Lk)]
+
     @property
     def rope_dim(self) -> int:
         """Width RoPE rotates (one head)."""

@@ -164,8 +164,9 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def on_contexts(self, spans, hidden: torch.Tensor) -> None:
-        """Write every request's new context K/V in one pass per layer (one gather, one
-        projection, one write per layer for the whole step, whatever the batch)."""
+        """Write every request's new context K/V for the whole step, whatever the batch: one gather,
+        one projection of every layer's K and V (:meth:`BlockDrafterNet.context_kv_all`), one
+        write per layer and cache."""
         rows, slots, pos = [], [], []
         for req_id, start, row, n in spans:
             if req_id not in self._tokens:
@@ -184,8 +185,10 @@ class BlockDrafter(Drafter):
         slots_t, pos_t = idx[0], idx[1]
         ctx = self.net.project_context(hidden if dense else hidden[idx[2]])  # [n, hidden]
         rope = self._rope(pos_t)
-        for i in range(self.config.num_layers):
-            k, v = self.net.context_kv(i, ctx, pos_t, rope)  # v is None for a K-only (latent) layer
+        fused = getattr(self.net, "context_kv_all", None)
+        kvs = fused(ctx, pos_t, rope) if fused is not None else \
+            [self.net.context_kv(i, ctx, pos_t, rope) for i in range(self.config.num_layers)]
+        for i, (k, v) in enumerate(kvs):  # v is None for a K-only (latent) layer
             self.kv.k(i).index_copy_(0, slots_t, k.to(self.kv.k(i).dtype))
             if v is not None:
                 self.kv.v(i).index_copy_(0, slots_t, v.to(self.kv.v(i).dtype))
@@ -265,11 +268,27 @@ class BlockDrafter(Drafter):
         return torch.tensor(out, dtype=torch.long)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """One asynchronous copy (from pinned memory on CUDA)."""
+        """One asynchronous copy, on CUDA from a pinned staging buffer kept between calls (pinning
+        anew costs a page-locked allocation every time); the buffer is reused once the copy that
+        last read it has finished."""
         dev = self._embed.device
         if dev.type != "cuda":
             return host.to(dev)
-        return host.pin_memory().to(dev, non_blocking=True)
+        if host.dtype != torch.long:
+            return host.pin_memory().to(dev, non_blocking=True)
+        n = host.numel()
+        stage, done = self.__dict__.get("_stage", (None, None))
+        if stage is None or stage.numel() < n:
+            stage, done = torch.empty(max(2 * n, 4096), dtype=torch.long, pin_memory=True), None
+        if done is not None:
+            done.synchronize()  # the last copy out of the buffer
+        buf = stage[:n].view(host.shape)
+        buf.copy_(host)
+        out = buf.to(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.__dict__["_stage"] = (stage, done)
+        return out
 
     def _draft(self, packed: torch.Tensor, cols: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafted tokens ``[rows, width]`` and, with a confidence head, their acceptance
