@@ -194,14 +194,31 @@ def draft_from_hidden(net, h: torch.Tensor, first_prev: torch.Tensor, lm_head: t
     conf_head = with_confidence and getattr(net, "confidence", None) is not None
     if not markov and not conf_head:
         return F.linear(h.reshape(N * W, -1), lm_head.to(h.dtype)).argmax(-1).view(N, W), None
+    lm = lm_head.to(h.dtype)
+    base = F.linear(h, lm)  # [N, W, vocab]: every slot's logits without the Markov bias, one matmul
+    lm_up = _lm_times_markov_up(net, lm) if markov else None  # [vocab, rank]
     toks, confs, prev = [], [], first_prev
     for j in range(W):
-        logits = slot_logits(net, h[:, j], prev, lm_head, embed)
+        logits = base[:, j]  # the Markov bias in logit space is rank r: lm_head @ up @ down @ embed[prev]
+        if markov:
+            logits = logits + F.linear(net.markov.down(embed[prev].to(h.dtype)), lm_up)
         prev = logits.argmax(-1)
         toks.append(prev)
         if conf_head:
             confs.append(torch.sigmoid(net.confidence_logit(h[:, j], logits)))
     return torch.stack(toks, 1), torch.stack(confs, 1).float() if conf_head else None
+
+
+def _lm_times_markov_up(net, lm: torch.Tensor) -> torch.Tensor:
+    """``lm_head @ markov.up.weight`` ``[vocab, rank]``, cached on the net until either changes: a
+    slot's Markov bias then costs ``vocab x rank`` per row instead of ``vocab x hidden``."""
+    up = net.markov.up.weight
+    key = (lm.data_ptr(), lm._version, lm.dtype, up.data_ptr(), up._version)
+    cached = net.__dict__.get("_lm_up")
+    if cached is None or cached[0] != key:
+        cached = (key, lm @ up.to(lm.dtype))
+        net.__dict__["_lm_up"] = cached
+    return cached[1]
 
 
 def block_mask(ctx_valid: torch.Tensor, block_size: int) -> torch.Tensor:
