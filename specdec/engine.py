@@ -92,7 +92,7 @@ class SpecEngine:
         self.drafter.bind(target, self.draft_kv)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs)
         # most draft tokens a request verifies per step; 0: the drafter never drafts (no slots reserved)
-        self._max_draft = 0 if isinstance(self.drafter, NullDrafter) else cfg.max_draft_tokens
+        self._max_draft = 0 if getattr(self.drafter, "never_drafts", False) else cfg.max_draft_tokens
         self._check_forced_backend()
         self.runner = self._model_runner()
         if cfg.overlap_steps and self._max_draft:

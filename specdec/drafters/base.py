@@ -65,6 +65,9 @@ class Drafter:
 
     #: Registry name; set by :func:`register_drafter`.
     name: ClassVar[str] = ""
+    #: A drafter that never proposes a token (the null drafter): the engine reserves no draft slots
+    #: for it and may overlap its decode steps. Declared, so the engine never tests a drafter's class.
+    never_drafts: ClassVar[bool] = False
     #: Output slot ``i`` predicts position ``anchor + i + shift_label`` (docs/design.md §5).
     shift_label: int = 1
     #: Whether its attention can read context pages sharded across Helix ranks.
@@ -175,3 +178,5 @@ class NullDrafter(Drafter):
 
     Every lossless test compares a drafter against this one on the same engine.
     """
+
+    never_drafts = True
