@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -109,12 +110,18 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         return response(kind, rid, config.model_name, out)
 
     async def _wait(handle: Handle, request: Request):
+        poll = config.disconnect_poll_s
+        checked = time.monotonic()
         while True:
             try:
-                ev = await asyncio.wait_for(handle.events.get(), config.disconnect_poll_s)
+                ev = await asyncio.wait_for(handle.events.get(), poll)
             except asyncio.TimeoutError:
+                ev = None
+            if time.monotonic() - checked >= poll:  # also while events keep coming
+                checked = time.monotonic()
                 if await request.is_disconnected():
-                    raise _ClientGone from None
+                    raise _ClientGone
+            if ev is None:
                 continue
             if ev.error is not None:
                 raise APIError(500, ev.error, type="server_error")
