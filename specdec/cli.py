@@ -128,6 +128,11 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     engine = _engine(args, max_num_seqs=args.max_num_seqs)
+    # uvicorn handles SIGINT / SIGTERM while it runs, then raises the signal again for the handler
+    # found before it: this one makes a drained shutdown end with exit status 0
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=max(1, int(args.drain_timeout)))

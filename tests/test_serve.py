@@ -316,3 +316,45 @@ def test_cli_serve_help_is_fast_and_bad_flags_fail_before_loading():
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--max-waiting", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--max-waiting" in bad.stderr
+
+
+def test_cli_serve_answers_and_exits_0_on_sigterm(tmp_path_factory):
+    """``specdec serve`` as a process: ready on /health, serves, and on SIGTERM (a stream still
+    open) aborts within --drain-timeout and exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("cli_tiny")
+    tiny_llama(path, "cpu", max_position_embeddings=4096)  # the checkpoint the command loads
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--target", str(path), "--drafter", "null",
+                             "--port", str(port), "--served-model-name", "tiny", "--drain-timeout", "1",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        assert client.completions.create(model="tiny", prompt=[1, 2], max_tokens=5, temperature=0).choices[0].token_ids
+        stream = client.completions.create(model="tiny", prompt=[3, 4], max_tokens=4000, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        assert time.monotonic() - t0 < 15
+        stream.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
