@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate``, ``bench``, ``drafter-data`` and ``train-drafter``.
+"""Command line: ``specdec generate``, ``bench``, ``serve``, ``drafter-data`` and ``train-drafter``.
 
 Every flag is checked before the model loads (a bad flag is a one-line error, exit status 2),
 and torch / transformers are imported only once a command runs, so ``--help`` is fast.
@@ -35,7 +35,8 @@ def _check_flags(args) -> None:
     """
     from specdec.errors import ConfigError
 
-    for flag in ("batch_size", "max_new_tokens", "steps", "num_layers", "num_target_layers", "block_size"):
+    for flag in ("batch_size", "max_new_tokens", "steps", "num_layers", "num_target_layers", "block_size",
+                 "max_waiting", "max_num_seqs"):
         value = getattr(args, flag, 1)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {value}")
@@ -51,7 +52,7 @@ def _check_flags(args) -> None:
             raise ConfigError(f"--drafter must be one of {available_drafters()}, got {args.drafter!r}")
 
 
-def _engine(args):
+def _engine(args, **overrides):
     import torch
 
     from specdec import SpecEngine
@@ -59,7 +60,8 @@ def _engine(args):
     from specdec.drafters import make_drafter
     from specdec.target import load_target
 
-    config = EngineConfig(max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw)  # checked first
+    config = EngineConfig(max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw,
+                          **overrides)  # checked first
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     drafter = make_drafter(args.drafter) if args.drafter != "suffix" else make_drafter(
         "suffix", max_draft_tokens=max(1, args.max_draft_tokens))
@@ -112,6 +114,33 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve the engine over HTTP (OpenAI-compatible) until SIGINT / SIGTERM; then stop admitting,
+    give running requests ``--drain-timeout`` seconds, abort the rest and exit 0."""
+    from specdec.errors import ConfigError
+
+    _check_flags(args)
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be an integer in [1, 65535], got {args.port}")
+    from specdec.serve import ServeConfig, create_app  # checks --max-waiting / --drain-timeout first
+
+    config = ServeConfig(args.served_model_name or args.target, args.max_waiting, args.drain_timeout)
+    import uvicorn
+
+    engine = _engine(args, max_num_seqs=args.max_num_seqs)
+    # uvicorn handles SIGINT / SIGTERM while it runs, then raises the signal again for the handler
+    # found before it: this one makes a drained shutdown end with exit status 0
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=max(1, int(args.drain_timeout)))
+    finally:
+        engine.close()
+    return 0
+
+
 def cmd_train_drafter(rest: list[str]) -> int:
     from specdec.drafters.training import main as train_main
 
@@ -143,6 +172,22 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _common(b)
     b.set_defaults(max_new_tokens=128)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)", formatter_class=fmt)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    s.add_argument("--max-waiting", type=int, default=64, help="most waiting requests; more are answered 429")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests may finish at shutdown before they are aborted")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # sampling is per request (the request body); the engine's flags only
+    s.add_argument("--target", default="smollm2-135m", help="model name, HF checkpoint dir or .gguf file")
+    s.add_argument("--drafter", default="suffix", help="registered drafter name (null, suffix, ...)")
+    s.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    s.set_defaults(raw=False)
     t = sub.add_parser("train-drafter", add_help=False,
                        help="train a DFlash / DSpark drafter on data from drafter-data (use a GPU; --help for options)")
     t.add_argument("rest", nargs=argparse.REMAINDER)
@@ -158,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = parser.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.cmd](args)
     except SpecDecError as e:
         print(f"specdec: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -47,3 +47,15 @@ def test_cli_generate_and_bench():
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "x", "--max-new-tokens", "0"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--max-new-tokens" in bad.stderr  # names the flag as typed
+
+
+def test_serve_and_query_example():
+    """examples/serve_and_query.py: a server started, queried streaming, stopped with status 0."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_and_query.py")], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("target steps") == 2 and "mean accepted length" in done.stdout
+    assert "specdec_accepted_tokens_total" in done.stdout and "server exit status: 0" in done.stdout

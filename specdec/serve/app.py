@@ -1,0 +1,175 @@
+"""The FastAPI app: OpenAI routes, ``/health``, ``/metrics``, and the lifespan that runs the driver."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.serve.config import ServeConfig
+from specdec.serve.driver import EngineDriver, Handle
+from specdec.serve.metrics import CONTENT_TYPE, ServeMetrics
+from specdec.serve.protocol import APIError, chunk, new_id, parse_job, response, usage_chunk
+
+
+def create_app(engine, config: ServeConfig) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine``.
+
+    The engine is stepped by one task started with the app (its lifespan) and stopped at
+    shutdown: admission stops, running requests get ``config.drain_timeout_s`` to finish,
+    the rest are aborted. The engine itself is left open (its owner closes it).
+
+    Args:
+        engine: a :class:`specdec.SpecEngine`; only this app may call it while the app runs.
+        config: the server settings.
+
+    Returns:
+        The app; ``app.state.driver`` and ``app.state.metrics`` are its driver and metrics.
+    """
+    metrics = ServeMetrics(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.capture_graphs(progress=False)  # before /health says ready (a no-op without CUDA graphs)
+        driver = EngineDriver(engine, config.max_waiting, metrics)
+        app.state.driver = driver
+        driver.start()
+        try:
+            yield
+        finally:
+            await driver.stop(config.drain_timeout_s)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.metrics = metrics
+    app.state.driver = None
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail), type="invalid_request_error",
+                                     code="not_found" if e.status_code == 404 else None).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(APIError(400, str(e)).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        driver = app.state.driver
+        if driver is None or not driver.ready:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specdec", "max_model_len": engine.target.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, "chat")
+
+    async def _serve(request: Request, kind: str):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        job = parse_job(body, kind, config.model_name)
+        driver: EngineDriver = app.state.driver
+        if driver is None:
+            raise APIError(503, "the server is starting", type="service_unavailable")
+        handle = await driver.submit(job)
+        rid = new_id(kind)
+        if job.stream:
+            return _EventStream(_events(handle, kind, rid), on_close=lambda: driver.abort(handle),
+                                media_type="text/event-stream")
+        try:
+            out = await _wait(handle, request)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        finally:
+            driver.abort(handle)  # a no-op once it finished; else the client left (or the task was cancelled)
+        return response(kind, rid, config.model_name, out)
+
+    async def _wait(handle: Handle, request: Request):
+        poll = config.disconnect_poll_s
+        checked = time.monotonic()
+        while True:
+            try:
+                ev = await asyncio.wait_for(handle.events.get(), poll)
+            except asyncio.TimeoutError:
+                ev = None
+            if time.monotonic() - checked >= poll:  # also while events keep coming
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    raise _ClientGone
+            if ev is None:
+                continue
+            if ev.error is not None:
+                raise APIError(500, ev.error, type="server_error")
+            if ev.output is not None:
+                return ev.output
+
+    async def _events(handle: Handle, kind: str, rid: str):
+        model = config.model_name
+        if kind == "chat":
+            yield _sse(chunk(kind, rid, model, None, [], None, role=True))
+        while True:
+            ev = await handle.events.get()
+            if ev.error is not None:
+                yield _sse(APIError(500, ev.error, type="server_error").body())
+                break
+            out = ev.output
+            if ev.text or ev.token_ids or out is not None:
+                yield _sse(chunk(kind, rid, model, ev.text, ev.token_ids, out.finish_reason if out else None))
+            if out is not None:
+                if handle.job.include_usage:
+                    yield _sse(usage_chunk(kind, rid, model, out))
+                break
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event response that calls ``on_close`` however it ends (a client that
+    disconnects aborts its request at once, not when the generator is collected)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with contextlib.suppress(RuntimeError):  # already closed, or still running (then it ends by itself)
+                await self.body_iterator.aclose()
+
+
+class _ClientGone(Exception):
+    """The client of a non-streamed request disconnected."""
+

@@ -1,0 +1,360 @@
+"""`specdec serve`: a real uvicorn server on 127.0.0.1 queried by the real ``openai`` client.
+
+Token-id prompts on the tiny random target (no tokenizer) where the model does not matter; the
+real SmolLM2 for text (chat, stop strings, streamed text)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from helpers import tiny_llama
+from specdec import SamplingParams, SpecEngine
+from specdec.drafters import make_drafter
+from specdec.serve import ServeConfig, create_app
+
+
+@contextlib.contextmanager
+def serving(engine, model="tiny", **config):
+    """Run the app on a free port in a thread; yield an ``openai`` client; stop the server (bounded)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = create_app(engine, ServeConfig(model, **config))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    client.url = f"http://127.0.0.1:{port}"
+    try:
+        yield client
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def wait_idle(engine, free_pages: int, timeout: float = 10.0) -> None:
+    """Wait (bounded) until the engine holds no request and ``free_pages`` pages are free again."""
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() or engine.manager.num_free_pages != free_pages:
+        assert time.monotonic() < deadline, (f"pages leaked: {engine.manager.num_free_pages} free, "
+                                             f"expected {free_pages}; unfinished: {engine.has_unfinished()}")
+        time.sleep(0.02)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(62) for _ in range(rng.randrange(3, 9))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory):
+    """The tiny random Llama with a 4,096-token context: requests that run for seconds."""
+    return tiny_llama(tmp_path_factory.mktemp("long_tiny"), "cpu", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny):
+    engine = SpecEngine(tiny, make_drafter("suffix"), max_num_seqs=8)
+    with serving(engine) as client:
+        yield client, engine
+
+
+def test_completion_greedy_equals_generate_and_carries_speculation_usage(tiny_server, tiny):
+    client, engine = tiny_server
+    ps = prompts(6)
+    with SpecEngine(tiny) as ref:  # the null drafter: plain decoding
+        want = [o.token_ids for o in ref.generate(ps, max_new_tokens=24)]
+    with ThreadPoolExecutor(6) as pool:  # concurrent: they share engine steps
+        got = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=24,
+                                                                 temperature=0), ps))
+    for p, r, w in zip(ps, got, want):
+        c = r.choices[0]
+        assert tuple(c.token_ids) == w and c.text == ""  # no tokenizer: ids only
+        assert c.finish_reason == ("stop" if w[-1] == 63 else "length")
+        u = r.usage
+        assert u.prompt_tokens == len(p) and u.completion_tokens == len(w) and u.total_tokens == len(p) + len(w)
+        assert 1 <= u.target_steps <= len(w) and 0 <= u.accepted_tokens <= u.drafted_tokens
+        assert u.mean_accepted_length >= 1.0
+    assert sum(r.usage.accepted_tokens for r in got) > 0  # the suffix drafter drafted and was right sometimes
+
+
+def test_streaming_completion_equals_whole_and_ends_with_usage(tiny_server):
+    client, _ = tiny_server
+    p = prompts(1, seed=3)[0]
+    whole = client.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    ids = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+    assert ids == whole.choices[0].token_ids
+    assert len([c for c in chunks if c.choices]) >= 2  # several events, not one final blob
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == len(ids)
+    u = chunks[-1].usage  # the suffix drafter learned the first answer: the second drafts from it
+    assert 1 <= u.target_steps < whole.usage.target_steps and u.accepted_tokens > whole.usage.accepted_tokens
+
+
+def test_seeded_sampling_repeats_and_models_health_metrics(tiny_server):
+    client, engine = tiny_server
+    p = prompts(1, seed=5)[0]
+    runs = [client.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0.9, top_p=0.95,
+                                      seed=1234, extra_body={"top_k": 40}).choices[0].token_ids for _ in range(2)]
+    other = client.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0.9, seed=99)
+    assert runs[0] == runs[1]
+    assert other.choices[0].token_ids != runs[0]  # a different seed is not ignored (20 sampled tokens)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert httpx.get(client.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(client.url + "/metrics").text
+    for name in ("specdec_draft_tokens_total", "specdec_accepted_tokens_total", "specdec_step_seconds_count",
+                 "specdec_batch_size_bucket", "specdec_requests_waiting", "specdec_kv_pages_in_use",
+                 'specdec_accepted_tokens_per_position_total{position="1"}', 'specdec_step_phase_seconds_total'):
+        assert name in text, name
+    value = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    assert value["specdec_accepted_tokens_total"] <= value["specdec_draft_tokens_total"]
+    assert value["specdec_generated_tokens_total"] >= 60
+
+
+BAD = [  # (endpoint, body changes, the field named)
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [5, 64]}, "prompt"),  # outside the vocabulary of 64
+    ("completions", {"prompt": [-1]}, "prompt"),
+    ("completions", {"prompt": [1.5]}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": "text"}, "prompt"),  # no tokenizer
+    ("completions", {"prompt": [[1], [2]]}, "prompt"),  # a batch
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_p": 1.5}, "top_p"),
+    ("completions", {"top_k": -1}, "top_k"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 500}, "max_tokens"),  # past the context of 96
+    ("completions", {"seed": -1}, "seed"),
+    ("completions", {"stop": ["x"]}, "stop"),  # no tokenizer
+    ("completions", {"n": 2}, "n"),
+    ("completions", {"logprobs": 1}, "logprobs"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"model": "gpt-4"}, "model"),
+    ("completions", {"wobble": 1}, "wobble"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),  # no chat template
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+]
+
+
+def test_every_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(tiny_server):
+    client, engine = tiny_server
+    wait_idle(engine, engine.manager.num_free_pages)
+    free = engine.manager.num_free_pages
+    base = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
+    for endpoint, change, param in BAD:
+        body = {**base, **change}
+        if endpoint.startswith("chat"):
+            body.pop("prompt")
+        r = httpx.post(f"{client.url}/v1/{endpoint}", json=body, timeout=30)
+        assert r.status_code == 400, (change, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], (change, err)
+        assert set(err) == {"message", "type", "param", "code"}
+    for raw in (b"{", b"[1, 2]", b"\xff"):
+        r = httpx.post(f"{client.url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", raw
+    with pytest.raises(openai.BadRequestError) as e:  # as the openai client sees it
+        client.completions.create(model="tiny", prompt=[1, 2], max_tokens=0)
+    assert e.value.response.json()["error"]["param"] == "max_tokens"
+    wait_idle(engine, free)  # nothing bad was admitted, or it was freed
+    ok = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0)
+    assert len(ok.choices[0].token_ids) >= 1
+
+
+def test_429_past_the_waiting_bound(long_tiny):
+    engine = SpecEngine(long_tiny, max_num_seqs=1)  # plain decoding: one token per step, a long run
+    free = engine.manager.num_free_pages
+    with serving(engine, max_waiting=1) as client:
+        long = dict(model="tiny", max_tokens=4000, temperature=0, extra_body={"ignore_eos": True}, stream=True)
+        running = client.completions.create(prompt=[1, 2, 3], **long)
+        next(iter(running))  # it runs: a first chunk came
+        waiting = client.completions.create(prompt=[4, 5, 6], **long)  # admitted: it waits (max_num_seqs=1)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny", prompt=[7, 8], max_tokens=4)
+        assert e.value.status_code == 429 and e.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+        running.close()  # both clients leave: their requests are aborted
+        waiting.close()
+        wait_idle(engine, free)
+        ok = client.completions.create(model="tiny", prompt=[7, 8], max_tokens=4, temperature=0)
+        assert ok.choices[0].token_ids
+        metrics = httpx.get(client.url + "/metrics").text
+        assert 'specdec_rejected_requests_total{status="429"} 1.0' in metrics
+        assert 'specdec_requests_total{finish_reason="abort"} 2.0' in metrics
+
+
+def test_clients_leaving_mid_stream_leak_no_page_and_disturb_no_one(long_tiny):
+    ps = prompts(12, seed=7)
+    with SpecEngine(long_tiny) as ref:  # solo runs, plain decoding
+        want = [ref.generate([p], max_new_tokens=48, ignore_eos=True)[0].token_ids for p in ps]
+    engine = SpecEngine(long_tiny, make_drafter("suffix"), max_num_seqs=6)  # more requests than slots: a queue
+    free = engine.manager.num_free_pages
+    with serving(engine, max_waiting=64, disconnect_poll_s=0.1) as client:
+        def run(i):
+            kw = dict(model="tiny", prompt=ps[i], temperature=0, extra_body={"ignore_eos": True})
+            # the leavers sample (about one token per step: they cannot finish 4,000 tokens before they leave)
+            long = dict(kw, temperature=1.0, seed=i, max_tokens=4000)
+            if i % 3 == 1:  # leaves after a few chunks of a long stream
+                stream = client.completions.create(stream=True, **long)
+                for n, _ in enumerate(stream):
+                    if n == 2:
+                        break
+                stream.close()
+                return None
+            if i % 3 == 2:  # a non-streamed request whose client gives up
+                with pytest.raises(httpx.ReadTimeout):
+                    body = {**{k: v for k, v in long.items() if k != "extra_body"}, **long["extra_body"]}
+                    httpx.post(client.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+                return None
+            chunks = client.completions.create(max_tokens=48, stream=bool(i % 2), **kw)
+            if i % 2:
+                return tuple(t for c in chunks for t in c.choices[0].token_ids)
+            return tuple(chunks.choices[0].token_ids)
+
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(run, range(12)))
+        wait_idle(engine, free)  # every left request was aborted and its pages freed
+        for i, g in enumerate(got):
+            if i % 3 == 0:
+                assert g == want[i], i
+        metrics = httpx.get(client.url + "/metrics").text
+        assert 'specdec_requests_total{finish_reason="abort"} 8.0' in metrics, [
+            ln for ln in metrics.splitlines() if ln.startswith("specdec_requests_total")]
+        assert "specdec_kv_pages_in_use 0.0" in metrics
+
+
+def test_shutdown_aborts_running_requests_within_the_bound(long_tiny):
+    engine = SpecEngine(long_tiny, max_num_seqs=2)
+    free = engine.manager.num_free_pages
+    t0 = time.monotonic()
+    with serving(engine, drain_timeout_s=0.5) as client:
+        stream = client.completions.create(model="tiny", prompt=[1, 2], max_tokens=4000, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+    assert time.monotonic() - t0 < 20
+    assert engine.manager.num_free_pages == free and not engine.has_unfinished()
+    stream.close()
+
+
+@pytest.mark.slow
+def test_chat_text_stop_strings_and_streamed_text_on_smollm2(smollm2):
+    question = "Name three colors of the rainbow."
+    with SpecEngine(smollm2) as ref:
+        want = ref.generate([question], max_new_tokens=32, chat=True)[0]
+    engine = SpecEngine(smollm2, make_drafter("suffix"), max_num_seqs=4)
+    with serving(engine, model="smollm2") as client:
+        msgs = [{"role": "user", "content": question}]
+        kw = dict(model="smollm2", messages=msgs, max_tokens=32, temperature=0)
+        whole = client.chat.completions.create(**kw)
+        assert whole.choices[0].message.content == want.text and whole.choices[0].message.role == "assistant"
+        assert whole.usage.completion_tokens == len(want.token_ids)
+        streamed = list(client.chat.completions.create(stream=True, **kw))
+        assert streamed[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == want.text
+        assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        # a stop string from the middle of the greedy answer: cut before it, in whole and streamed answers
+        words = want.text.split()
+        stop = " " + words[len(words) // 2]
+        cut = want.text[:want.text.index(stop)]
+        stopped = client.chat.completions.create(stop=[stop], **kw)
+        assert stopped.choices[0].message.content == cut and stopped.choices[0].finish_reason == "stop"
+        streamed = list(client.chat.completions.create(stop=stop, stream=True, **kw))
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut
+        # text completions and seeded sampling
+        text = client.completions.create(model="smollm2", prompt="def add(a, b):", max_tokens=12, temperature=0)
+        assert text.choices[0].text == ref_text(smollm2, "def add(a, b):", 12)
+        seeded = [client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=16, temperature=0.8,
+                                                 seed=11).choices[0].message.content for _ in range(2)]
+        assert seeded[0] == seeded[1] and seeded[0]
+
+
+def ref_text(target, prompt: str, n: int) -> str:
+    with SpecEngine(target) as ref:
+        return ref.generate([prompt], SamplingParams(max_new_tokens=n), chat=False)[0].text
+
+
+def test_serve_config_names_the_field():
+    from specdec.errors import ConfigError
+
+    for kw, field in (({"model_name": ""}, "model_name"), ({"max_waiting": 0}, "max_waiting"),
+                      ({"drain_timeout_s": 0}, "drain_timeout_s")):
+        with pytest.raises(ConfigError, match=field):
+            ServeConfig(**{"model_name": "m", **kw})
+
+
+def test_cli_serve_help_is_fast_and_bad_flags_fail_before_loading():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import sys; from specdec.cli import main\n"
+                           "try: main(['serve', '--help'])\nexcept SystemExit: pass\n"
+                           "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=60)
+    assert "--max-waiting" in done.stdout and done.stdout.strip().endswith("False")
+    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--max-waiting", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--max-waiting" in bad.stderr
+
+
+def test_cli_serve_answers_and_exits_0_on_sigterm(tmp_path_factory):
+    """``specdec serve`` as a process: ready on /health, serves, and on SIGTERM (a stream still
+    open) aborts within --drain-timeout and exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("cli_tiny")
+    tiny_llama(path, "cpu", max_position_embeddings=4096)  # the checkpoint the command loads
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--target", str(path), "--drafter", "null",
+                             "--port", str(port), "--served-model-name", "tiny", "--drain-timeout", "1",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        assert client.completions.create(model="tiny", prompt=[1, 2], max_tokens=5, temperature=0).choices[0].token_ids
+        stream = client.completions.create(model="tiny", prompt=[3, 4], max_tokens=4000, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        assert time.monotonic() - t0 < 15
+        stream.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
