@@ -5,8 +5,12 @@ single-rank torch_ref result."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,14 +200,14 @@ def test_combine_all_empty_is_zero_with_minus_inf():
 
 # -- the distributed step on gloo -----------------------------------------------------------------
 def _cases(cp: int):
-    """(num_heads, tokens_per_block, q_lens, kv_lens): heads 16/48/96, pages 16-128, q_len 1-8,
-    mixed context lengths: a request shorter than a page (ranks > 0 own nothing), one whose verify
-    rows straddle a page boundary (rows on two ranks), a long one, and a context request."""
+    """(num_heads, tokens_per_block, q_lens, kv_lens): heads 16/48/96, pages 16-128, q_len 1-8, mixed
+    lengths in one batch: verify rows straddling a page boundary (rows on two ranks), verify rows
+    inside a page, decode rows of a long request and of one shorter than a page (ranks > 0 own
+    nothing of it), and a context request."""
     for heads in (16, 48, 96):
         for tpb in (16, 64, 128):
-            yield heads, tpb, (1, 1), (3, tpb * cp + 5)  # decode
             q = 8 if tpb == 16 else 4
-            yield heads, tpb, (q, 2, 1, 9), (tpb * 2 + q // 2, tpb + 1, 5 * tpb + 3, 9)  # verify + context
+            yield heads, tpb, (q, 2, 1, 1, 9), (tpb * 2 + q // 2, tpb + 1, tpb * cp + 5, 3, 9)
 
 
 def _build(layout: HelixLayout, rank: int, kv_rows: list[torch.Tensor], num_pages: int):
@@ -256,7 +260,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             full, full_cache, mine, cache = _build(layout, rank, rows, num_pages)
             what = f"case {n}: H={heads} tpb={tpb} q_lens={q_lens} kv_lens={kv_lens}"
             _compare(layout, rank, full, full_cache, mine, cache, q, q_lens, kv_lens, what)
-            if n % 2:
+            if n % 2 == 0:
                 # Rollback: reject all but one draft of request 0, then verify new drafts there.
                 keep = kv_lens[0] - q_lens[0] + 1
                 full.truncate(0, keep)
@@ -291,3 +295,16 @@ def test_helix_attention_equals_single_rank(world, tmp_path):
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
+
+
+def test_example_helix_cpu_runs():
+    """examples/helix_cpu.py under torchrun (2 ranks) reports cp = 2 equal to cp = 1 and exits 0."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(root / "examples" / "helix_cpu.py")],
+        capture_output=True, text=True, timeout=DIST_TIMEOUT_S + 30, env=env, cwd=root,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(": equal") == 3 and "PASS" in done.stdout, done.stdout
