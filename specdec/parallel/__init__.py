@@ -1,0 +1,25 @@
+"""Parallel execution across ranks: Helix context parallelism (docs/design.md §7)."""
+
+from specdec.parallel.helix import (
+    HelixKVManager,
+    HelixLayout,
+    ShardPlan,
+    combine_partials,
+    gather_heads,
+    helix_attention,
+    mla_attention_lse,
+    plan_shard,
+    shard_attention,
+)
+
+__all__ = [
+    "HelixKVManager",
+    "HelixLayout",
+    "ShardPlan",
+    "combine_partials",
+    "gather_heads",
+    "helix_attention",
+    "mla_attention_lse",
+    "plan_shard",
+    "shard_attention",
+]
