@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     from specdec.config import SamplingParams
     from specdec.drafters.base import Draft
 
-__all__ = ["RowSampling", "gumbel_noise", "mix32", "request_key", "row_uniforms", "sample_rows", "shape_logits",
-           "verify_batch"]
+__all__ = ["USE_KERNEL", "RowSampling", "apply_cutoffs", "gumbel_noise", "mix32", "request_key", "row_cutoffs",
+           "row_uniforms", "sample_rows", "shape_logits", "verify_batch"]
 
 _M32 = 0xFFFFFFFF
 # Streams of independent noise per (seed, position): the target's sample, the acceptance uniform, the residual.
@@ -140,25 +140,75 @@ def shape_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         temperature: ``[S]`` fp32, > 0.
         top_k: ``[S]`` int64, 0 = no limit.
         top_p: ``[S]`` fp32 in ``(0, 1]``.
-        masked: whether any row has a top-k or top-p limit (``False`` skips the sort).
+        masked: whether any row has a top-k or top-p limit (``False`` skips the cutoffs).
 
     Returns:
         ``[S, vocab]`` fp32 ``logits / temperature``, with ``-inf`` where top-k or top-p drop a token.
+        With ``masked``, reads ``top_k`` and ``top_p`` on the host (one synchronisation);
+        :func:`sample_rows` has them on the host already.
     """
     z = logits.float() / temperature[:, None]  # [S, vocab]
     if not masked:
         return z
-    vocab = z.shape[-1]
-    srt, order = z.sort(dim=-1, descending=True, stable=True)  # [S, vocab] each
-    rank = torch.arange(vocab, device=z.device)  # [vocab]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [S]
-    drop = rank[None, :] >= k[:, None]  # [S, vocab], sorted order: top-k
-    probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [S, vocab], sorted
-    cumulative = probs.cumsum(dim=-1)
-    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)  # [S, vocab]
-    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # top-p over the top-k renormalised mass
-    drop[:, 0] = False  # the top token always survives
-    return z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return apply_cutoffs(z, row_cutoffs(z, top_k.tolist(), top_p.tolist()))
+
+
+def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cutoffs of top-k and top-p: row ``s`` keeps the tokens ``v`` with ``z[s, v] > thr[s]``,
+    or ``z[s, v] == thr[s]`` and ``v <= icut[s]``.
+
+    That is the prefix of the row's stable descending sort that top-k (``top_k`` tokens) and
+    top-p (the smallest prefix whose renormalised top-k mass reaches ``top_p``; the top token
+    always) keep, ties at the cutoff kept in index order. Only the rows that ask for top-p are
+    sorted; rows with top-k alone take :func:`torch.topk`'s ``k``-th value; rows without limits get
+    ``(-inf, vocab)`` (keep all) and cost nothing. The limits are host lists: no synchronisation.
+
+    Args:
+        z: ``[S, vocab]`` fp32 ``logits / temperature``.
+        top_k: ``S`` ints, 0 (or >= vocab) = no limit; top_p: ``S`` floats in ``(0, 1]``.
+
+    Returns:
+        ``(thr [S] fp32, icut [S] int32)``.
+    """
+    dev, (n_rows, vocab) = z.device, z.shape
+    thr = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
+    icut = torch.full((n_rows,), vocab, dtype=torch.int32, device=dev)
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    by_p = [i for i, p in enumerate(top_p) if p < 1.0]
+    by_k = [i for i, (k, p) in enumerate(zip(ks, top_p)) if k < vocab and not p < 1.0]
+    if by_p:
+        sel = torch.tensor(by_p, dtype=torch.long).to(dev, non_blocking=True)
+        lims = torch.tensor([[ks[i] for i in by_p]], dtype=torch.long).to(dev, non_blocking=True)  # [1, P]
+        ps = torch.tensor([top_p[i] for i in by_p], dtype=torch.float32).to(dev, non_blocking=True)  # [P]
+        srt, order = z.index_select(0, sel).sort(dim=-1, descending=True, stable=True)  # [P, vocab] each
+        rank = torch.arange(vocab, device=dev)  # [vocab]
+        drop = rank[None, :] >= lims[0][:, None]  # [P, vocab], sorted order: top-k
+        probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [P, vocab], sorted
+        cumulative = probs.cumsum(dim=-1)
+        mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)  # [P, vocab]
+        drop |= mass_before >= ps[:, None]  # top-p over the top-k renormalised mass
+        drop[:, 0] = False  # the top token always survives
+        last = ((~drop).sum(dim=-1, keepdim=True) - 1)  # [P, 1]: the kept prefix is ranks 0..last
+        thr.index_copy_(0, sel, srt.gather(1, last)[:, 0])
+        icut.index_copy_(0, sel, order.gather(1, last)[:, 0].int())  # stable: the largest kept tie
+    if by_k:
+        sel = torch.tensor(by_k, dtype=torch.long).to(dev, non_blocking=True)
+        k = torch.tensor([ks[i] for i in by_k], dtype=torch.long).to(dev, non_blocking=True)  # [K]
+        zk = z.index_select(0, sel)  # [K, vocab]
+        t = zk.topk(max(ks[i] for i in by_k), dim=-1).values.gather(1, (k - 1)[:, None])  # [K, 1]: k-th value
+        ties = k - (zk > t).sum(dim=-1)  # [K]: how many tokens equal to t top-k keeps, in index order
+        eq = zk == t
+        thr.index_copy_(0, sel, t[:, 0])
+        icut.index_copy_(0, sel, (eq.cumsum(dim=-1) < ties[:, None]).sum(dim=-1).int())
+    return thr, icut
+
+
+def apply_cutoffs(z: torch.Tensor, cutoffs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``z`` ``[S, vocab]`` with ``-inf`` at the tokens that :func:`row_cutoffs` drop."""
+    thr, icut = cutoffs
+    vocab = torch.arange(z.shape[-1], device=z.device)  # [vocab]
+    keep = (z > thr[:, None]) | ((z == thr[:, None]) & (vocab[None, :] <= icut[:, None]))  # [S, vocab]
+    return z.masked_fill(~keep, float("-inf"))
 
 
 @dataclass(slots=True)
@@ -206,13 +256,40 @@ class RowSampling:
         return len(self.rows)
 
 
-def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: RowSampling | None) -> torch.Tensor:
+USE_KERNEL: bool | None = None
+"""Which path :func:`sample_rows` takes for sampled rows: ``None`` = the fused Triton kernel
+(:mod:`specdec.sampling_kernel`) on CUDA when Triton is installed, else torch; ``True`` / ``False``
+force the kernel / the torch reference (tests, benchmarks). Both give the same tokens."""
+
+
+def _kernel_module():
+    """:mod:`specdec.sampling_kernel`, or ``None`` without Triton."""
+    try:
+        from specdec import sampling_kernel
+    except ImportError:
+        return None
+    return sampling_kernel
+
+
+def _use_kernel(device: torch.device, kernel: bool | None) -> bool:
+    kernel = USE_KERNEL if kernel is None else kernel
+    if kernel is None:
+        return device.type == "cuda" and _kernel_module() is not None
+    if kernel and _kernel_module() is None:
+        raise RuntimeError("the fused sampling kernel needs Triton (pip extra 'gpu')")
+    return kernel
+
+
+def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: RowSampling | None,
+                kernel: bool | None = None) -> torch.Tensor:
     """The target's token at every verified row, on the device (see the module docstring).
 
     Args:
         logits: ``[rows, vocab]`` target logits of the step's verified rows.
         argmax: ``[rows]`` their argmax if already computed (e.g. inside a CUDA graph), or ``None``.
         sampling: the sampled rows, or ``None`` when every row is greedy.
+        kernel: the fused Triton kernel (``True``), the torch reference (``False``), or
+            :data:`USE_KERNEL`'s choice (``None``); the tokens are the same.
 
     Returns:
         ``[rows]`` int64 on ``logits.device``: the argmax at greedy rows, the coupled
@@ -223,32 +300,59 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
     if not sampling:
         return argmax
     dev, vocab = logits.device, logits.shape[-1]
-    ints = torch.tensor([sampling.rows, sampling.top_k, sampling.keys, sampling.positions, sampling.drafts],
-                        dtype=torch.long).to(dev, non_blocking=True)  # [5, S]
-    floats = torch.tensor([sampling.temperature, sampling.top_p], dtype=torch.float32).to(dev, non_blocking=True)
-    rows, top_k, keys, positions, drafts = ints
-    masked = any(k > 0 for k in sampling.top_k) or any(p < 1.0 for p in sampling.top_p)
-    z = shape_logits(logits.index_select(0, rows), floats[0], top_k, floats[1], masked)  # [S, vocab]
-    tokens = (z + gumbel_noise(keys, positions, vocab)).argmax(dim=-1)  # [S]
+    ints = torch.tensor([sampling.rows, sampling.keys, sampling.positions, sampling.drafts],
+                        dtype=torch.long).to(dev, non_blocking=True)  # [4, S]
+    temperature = torch.tensor(sampling.temperature, dtype=torch.float32).to(dev, non_blocking=True)  # [S]
+    rows, keys, positions, drafts = ints
+    limited = [i for i, (k, p) in enumerate(zip(sampling.top_k, sampling.top_p)) if 0 < k < vocab or p < 1.0]
+    cutoffs = None
+    if limited:  # cutoffs from the rows that ask for a limit (host-known: no synchronisation)
+        if len(limited) == len(sampling):
+            cutoffs = row_cutoffs(_scaled(logits, rows, temperature), sampling.top_k, sampling.top_p)
+        else:
+            sel = torch.tensor(limited, dtype=torch.long).to(dev, non_blocking=True)
+            sub = row_cutoffs(_scaled(logits, rows.index_select(0, sel), temperature.index_select(0, sel)),
+                              [sampling.top_k[i] for i in limited], [sampling.top_p[i] for i in limited])
+            cutoffs = (torch.full((len(sampling),), float("-inf"), device=dev).index_copy_(0, sel, sub[0]),
+                       torch.full((len(sampling),), vocab, dtype=torch.int32, device=dev).index_copy_(0, sel, sub[1]))
+    if _use_kernel(dev, kernel):
+        tokens, _ = _kernel_module().sample_tokens(logits, rows, temperature, keys, positions, _STREAM_SAMPLE, cutoffs)
+        z = None
+    else:
+        z = _scaled(logits, rows, temperature)  # [S, vocab]
+        if cutoffs is not None:
+            z = apply_cutoffs(z, cutoffs)
+        tokens = (z + gumbel_noise(keys, positions, vocab)).argmax(dim=-1)  # [S]
     if sampling.draft_probs:
-        tokens = _rejection_rows(z, tokens, sampling, keys, positions, drafts)
+        sel = torch.tensor([first + i for first, q in sampling.draft_probs for i in range(q.shape[0])],
+                           dtype=torch.long).to(dev, non_blocking=True)  # [Q]
+        if z is not None:
+            zq = z.index_select(0, sel)
+        else:
+            zq = _scaled(logits, rows.index_select(0, sel), temperature.index_select(0, sel))
+            if cutoffs is not None:
+                zq = apply_cutoffs(zq, (cutoffs[0].index_select(0, sel), cutoffs[1].index_select(0, sel)))
+        tokens = _rejection_rows(zq, sel, tokens, sampling, keys, positions, drafts)
     return argmax.index_copy(0, rows, tokens)
 
 
-def _rejection_rows(z: torch.Tensor, tokens: torch.Tensor, sampling: RowSampling, keys: torch.Tensor,
-                    positions: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+def _scaled(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``[S, vocab]`` fp32 ``logits[rows] / temperature``."""
+    return logits.index_select(0, rows).float() / temperature[:, None]
+
+
+def _rejection_rows(zq: torch.Tensor, sel: torch.Tensor, tokens: torch.Tensor, sampling: RowSampling,
+                    keys: torch.Tensor, positions: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """Rejection sampling at the draft rows of requests whose drafts carry ``q``: the row's
     token becomes the draft if accepted, else a recovered token (never the draft).
 
     Args:
-        z: ``[S, vocab]`` shaped log-weights; tokens: ``[S]`` their Gumbel-max samples;
-        keys, positions, drafts: ``[S]`` int64.
+        zq: ``[Q, vocab]`` shaped log-weights of those rows; sel: ``[Q]`` their indices among
+        the sampled rows; tokens: ``[S]`` Gumbel-max samples; keys, positions, drafts: ``[S]`` int64.
     """
-    dev, vocab = z.device, z.shape[-1]
-    sel = torch.tensor([first + i for first, q in sampling.draft_probs for i in range(q.shape[0])],
-                       dtype=torch.long).to(dev, non_blocking=True)  # [Q]
+    dev, vocab = zq.device, zq.shape[-1]
     q = torch.cat([q.to(dev, torch.float32) for _, q in sampling.draft_probs])  # [Q, vocab]
-    p = z.index_select(0, sel).softmax(dim=-1)  # [Q, vocab]
+    p = zq.softmax(dim=-1)  # [Q, vocab]
     x = drafts.index_select(0, sel)  # [Q]
     valid = (x >= 0) & (x < vocab)  # an out-of-vocabulary draft is rejected, never gathered
     xc = x.clamp(0, vocab - 1)[:, None]  # [Q, 1]

@@ -1,0 +1,241 @@
+"""The fused sampling kernel (specdec.sampling_kernel) against the torch reference (specdec.sampling).
+
+Exact equality throughout: the kernel's perturbed logits ``z + G`` (with ``-inf`` where top-k /
+top-p drop a token) must equal, bit for bit, ``apply_cutoffs(logits / T) + gumbel_noise`` of the
+torch path, and so must the sampled tokens, for random logits (fp32, bf16, fp16), vocabularies
+that are not multiples of the kernel's block, rows mixing temperature, top-k, top-p and none,
+exact ties in the logits, 64-bit seeds and positions past 2**32, one or many vocabulary splits.
+
+Where the tests run:
+
+- on a CUDA GPU: everything here, with the compiled kernel (libdevice ``log``/``log1p``), plus
+  the ``gpu`` test at vocab 49152;
+- on a CPU machine: the kernels run in Triton's interpreter, chosen when the kernel module is
+  imported with ``TRITON_INTERPRET=1``; ``test_cpu_interpreter_suite`` re-runs this file in a
+  subprocess with that variable set (``TRITON_INTERPRET=1 python -m pytest
+  tests/test_sampling_kernel.py`` shows the cases one by one).
+
+The cutoffs (``row_cutoffs``) that both paths share are checked against the stable-sort mask
+that ``shape_logits`` computed before them, on every machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import SamplingParams
+from specdec.drafters import Draft
+from specdec.sampling import (_STREAM_SAMPLE, RowSampling, apply_cutoffs, gumbel_noise, request_key, row_cutoffs,
+                              sample_rows)
+
+pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu'): no sampling kernel to test")
+
+from specdec import sampling, sampling_kernel  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETED = sampling_kernel.INTERPRETED
+DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
+needs_kernels = pytest.mark.skipif(
+    not (INTERPRETED or HAS_CUDA),
+    reason="no CUDA GPU and the kernel was not built for the interpreter; "
+    "test_cpu_interpreter_suite runs these with TRITON_INTERPRET=1",
+)
+SEEDS = st.one_of(st.integers(0, 2**16), st.sampled_from([2**64 - 1, 2**63, 2**32 + 7, -3, 2**70 + 11]))
+
+
+def _sorted_mask(z: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The stable-sort mask of top-k then top-p (how shape_logits shaped every row before the cutoffs)."""
+    vocab = z.shape[-1]
+    tk, tp = torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32)
+    srt, order = z.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab)
+    k = torch.where((tk > 0) & (tk < vocab), tk, vocab)
+    drop = rank[None, :] >= k[:, None]
+    cumulative = srt.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+    drop |= (mass_before >= tp[:, None]) & (tp[:, None] < 1.0)
+    drop[:, 0] = False
+    return z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def _logits(gen: torch.Generator, n: int, vocab: int, ties: bool, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(n, vocab, generator=gen) * 3
+    if ties:  # a coarse grid: many exact ties, also at the top-k / top-p cutoffs
+        x = (x * 2).round() / 2
+    return x.to(dtype)
+
+
+ROW = st.tuples(st.sampled_from([0.3, 0.7, 1.0, 1.7]), st.sampled_from([0, 0, 1, 2, 5, 40, 5000]),
+                st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.99]))
+
+
+# --------------------------------------------------------------------------- the shared cutoffs (torch)
+
+
+@given(seed=st.integers(0, 2**20), vocab=st.sampled_from([3, 17, 100, 1000]), ties=st.booleans(),
+       rows=st.lists(ROW, min_size=1, max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_row_cutoffs_keep_the_stable_sort_prefix(seed, vocab, ties, rows):
+    z = _logits(torch.Generator().manual_seed(seed), len(rows), vocab, ties, torch.float32)
+    z = z / torch.tensor([r[0] for r in rows])[:, None]
+    top_k, top_p = [r[1] for r in rows], [r[2] for r in rows]
+    got = apply_cutoffs(z, row_cutoffs(z, top_k, top_p))
+    assert torch.equal(got, _sorted_mask(z, top_k, top_p))
+
+
+def test_row_cutoffs_cut_through_ties_in_index_order():
+    z = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]])
+    thr, icut = row_cutoffs(z, [3], [1.0])  # 3, 3, then the first 2 (index 2)
+    assert thr.tolist() == [2.0] and icut.tolist() == [2]
+    assert torch.isfinite(apply_cutoffs(z, (thr, icut))).tolist() == [[False, True, True, True, False, False, False]]
+    thr, icut = row_cutoffs(z, [0], [1.0])  # no limit: keep all
+    assert thr.tolist() == [float("-inf")] and icut.tolist() == [7]
+
+
+# --------------------------------------------------------------------------- kernel vs torch
+
+
+def _torch_perturbed(logits, rows, temperature, top_k, top_p, keys, positions):
+    """The torch path's ``z + G`` ``[S, vocab]`` and tokens."""
+    z = logits.index_select(0, rows).float() / temperature[:, None]
+    if any(0 < k < logits.shape[-1] or p < 1.0 for k, p in zip(top_k, top_p)):
+        z = apply_cutoffs(z, row_cutoffs(z, top_k, top_p))
+    perturbed = z + gumbel_noise(keys, positions, logits.shape[-1])
+    return perturbed, perturbed.argmax(dim=-1)
+
+
+def _check_kernel(logits, rows, params, seeds, positions, target_programs=None):
+    dev = logits.device
+    rows_t = torch.tensor(rows, device=dev)
+    temperature = torch.tensor([p[0] for p in params], dtype=torch.float32, device=dev)
+    top_k, top_p = [p[1] for p in params], [p[2] for p in params]
+    keys = torch.tensor([request_key(s) for s in seeds], device=dev)
+    pos = torch.tensor(positions, device=dev)
+    want, want_tokens = _torch_perturbed(logits, rows_t, temperature, top_k, top_p, keys, pos)
+    z = logits.index_select(0, rows_t).float() / temperature[:, None]
+    limited = any(0 < k < logits.shape[-1] or p < 1.0 for k, p in zip(top_k, top_p))
+    cutoffs = row_cutoffs(z, top_k, top_p) if limited else None
+    saved = sampling_kernel.TARGET_PROGRAMS
+    if target_programs is not None:
+        sampling_kernel.TARGET_PROGRAMS = target_programs
+    try:
+        tokens, perturbed = sampling_kernel.sample_tokens(logits, rows_t, temperature, keys, pos, _STREAM_SAMPLE,
+                                                          cutoffs, store=True)
+    finally:
+        sampling_kernel.TARGET_PROGRAMS = saved
+    assert torch.equal(perturbed, want), (perturbed != want).nonzero()[:5]
+    assert torch.equal(tokens, want_tokens)
+    return tokens
+
+
+@needs_kernels
+@given(seed=st.integers(0, 2**20), vocab=st.sampled_from([1000, 4099, 1024, 5]), ties=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       rows=st.lists(st.tuples(ROW, SEEDS, st.integers(0, 2**40)), min_size=1, max_size=6),
+       target_programs=st.sampled_from([1, 1024]))
+@settings(max_examples=40, deadline=None)
+def test_kernel_equals_torch_bit_for_bit(seed, vocab, ties, dtype, rows, target_programs):
+    """One split per row (target_programs=1: every block in one program's loop) or many."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = _logits(gen, len(rows) + 2, vocab, ties, dtype).to(DEVICE)
+    picked = torch.randperm(len(rows) + 2, generator=gen)[:len(rows)].tolist()
+    _check_kernel(logits, picked, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                  target_programs)
+
+
+@needs_kernels
+def test_kernel_with_infinite_logits_and_one_token_rows():
+    """Rows of -inf (the argmax is then token 0, as torch's), partly -inf rows, top-k 1, top-p tiny."""
+    logits = torch.randn(4, 2051, generator=torch.Generator().manual_seed(1))
+    logits[0] = float("-inf")
+    logits[1, ::2] = float("-inf")
+    logits[2, 1500:] = float("-inf")
+    logits = logits.to(DEVICE)
+    params = [(1.0, 0, 1.0), (0.5, 3000, 0.3), (1.0, 1, 1.0), (2.0, 2000, 1.0)]
+    tokens = _check_kernel(logits, [0, 1, 2, 3], params, [1, 2, 3, 4], [0, 9, 2**33, 5], target_programs=1)
+    assert tokens[0] == 0 and tokens[2] == logits[2].argmax()
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_probs", [False, True], ids=["deterministic_drafts", "drafts_with_probs"])
+def test_sample_rows_gives_the_same_tokens_with_the_kernel(with_probs):
+    """The whole of sample_rows, kernel against torch: greedy rows among sampled ones, limits on some
+    rows only, rejection sampling on the rows whose drafts carry q."""
+    gen = torch.Generator().manual_seed(7)
+    vocab, n_req = 1000, 12
+    params = [SamplingParams() if i % 4 == 3 else
+              SamplingParams(temperature=0.6 + 0.1 * i, top_k=[0, 20, 0][i % 3], top_p=[1.0, 1.0, 0.9, 0.95][i % 4])
+              for i in range(n_req)]
+    logits = (torch.randn(3 * n_req, vocab, generator=gen) * 3).to(DEVICE)
+    q = torch.randn(2, vocab, generator=gen).softmax(-1) if with_probs else None
+    sampling_rows = RowSampling()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            draft = Draft(tuple(torch.randint(vocab, (2,), generator=gen).tolist()), probs=q)
+            sampling_rows.add(3 * i, p, request_key(2**63 + i), 100 + i, draft)
+    want = sample_rows(logits, None, sampling_rows, kernel=False)
+    got = sample_rows(logits, None, sampling_rows, kernel=True)
+    assert torch.equal(got, want)
+    assert bool(sampling_rows.draft_probs) == with_probs
+
+
+def test_the_default_path_is_torch_off_cuda(monkeypatch):
+    """On CPU tensors sample_rows takes the torch path unless told otherwise (the kernel is never called)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the kernel was called")
+
+    monkeypatch.setattr(sampling_kernel, "sample_tokens", refuse)
+    monkeypatch.setattr(sampling, "USE_KERNEL", None)
+    sampled = RowSampling()
+    sampled.add(0, SamplingParams(temperature=1.0, top_p=0.9), request_key(1), 0, None)
+    logits = torch.randn(2, 50)
+    out = sample_rows(logits, None, sampled)
+    assert out[1] == logits[1].argmax()
+    with pytest.raises(AssertionError, match="kernel was called"):
+        sample_rows(logits, None, sampled, kernel=True)
+    monkeypatch.setattr(sampling, "USE_KERNEL", True)
+    with pytest.raises(AssertionError, match="kernel was called"):
+        sample_rows(logits, None, sampled)
+
+
+# --------------------------------------------------------------------------- CPU: the interpreter suite
+
+
+@pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="the kernel tests run in this process (interpreter or GPU)")
+def test_cpu_interpreter_suite():
+    """Re-run this file with ``TRITON_INTERPRET=1``, so the kernels are built for Triton's CPU interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-m", "not gpu", "-k", "not interpreter_suite",
+           "-p", "no:cacheprovider", "-x", "-rs"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    # Every selected test ran there: passed, none skipped.
+    assert re.search(r"\b\d+ passed, \d+ deselected(, \d+ warnings?)? in\b", done.stdout), done.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (and the kernel compiled for it)")
+@pytest.mark.parametrize("n_rows", [9, 288])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, dtype):
+    """The compiled kernel (libdevice log / log1p) against torch's CUDA kernels: same bits, same tokens."""
+    gen = torch.Generator().manual_seed(n_rows)
+    vocab = 49152
+    logits = (torch.randn(n_rows + 5, vocab, generator=gen) * 4).to(dtype).cuda()
+    rows = torch.randperm(n_rows + 5, generator=gen)[:n_rows].tolist()
+    choices = [(0.7, 0, 1.0), (1.0, 50, 1.0), (0.9, 0, 0.95), (1.3, 20, 0.8), (0.2, 0, 1.0)]
+    params = [choices[i % len(choices)] for i in range(n_rows)]
+    seeds = [2**64 - 1 - i if i % 2 else i for i in range(n_rows)]
+    positions = [(i * 977) % 4000 + (2**32 if i % 7 == 0 else 0) for i in range(n_rows)]
+    _check_kernel(logits, rows, params, seeds, positions)
