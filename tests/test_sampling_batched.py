@@ -75,9 +75,12 @@ def test_noise_is_standard_gumbel_and_uniforms_are_uniform():
 
 
 @given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(2, 64),
-       rows=st.lists(st.tuples(st.floats(0.2, 3.0), st.integers(0, 70), st.floats(0.01, 1.0)), min_size=1, max_size=6))
+       rows=st.lists(st.tuples(st.floats(0.2, 3.0), st.integers(0, 70), st.floats(0.01, 0.999) | st.just(1.0)),
+                     min_size=1, max_size=6))
 @settings(max_examples=60, deadline=None)
 def test_shape_logits_is_logits_to_probs_row_by_row(seed, vocab, rows):
+    """(top_p within fp32 rounding of 1, e.g. 0.99999994, is left out: whether the least likely tokens
+    stay then depends on the order of the cumulative sum, fp32 here and float64 in the reference.)"""
     logits = torch.randn(len(rows), vocab, generator=_seeded(seed)) * 3  # [S, vocab]
     temp = torch.tensor([r[0] for r in rows], dtype=torch.float32)
     top_k = torch.tensor([r[1] for r in rows])
