@@ -729,7 +729,8 @@ class SpecEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
         seq.finish(reason)
-        self._drafter_call(seq, "stop_request", seq.req_id)
+        aborted = reason == "abort" and hasattr(self.drafter, "abort_request")
+        self._drafter_call(seq, "abort_request" if aborted else "stop_request", seq.req_id)
         self._no_draft.discard(seq.req_id)
         self._warned.discard(seq.req_id)
 

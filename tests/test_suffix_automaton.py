@@ -471,3 +471,67 @@ def test_drafts_carry_the_continuation_counts_estimates():
     (draft,) = drafter.propose(["r"], 4)
     n = len(draft)  # the drafter may cut the walk (match_len_factor)
     assert n > 0 and draft.token_ids == tuple(toks[:n]) and draft.confidence == pytest.approx(tuple(probs[:n]))
+
+
+def _finish(drafter, rid, prompt, response):
+    drafter.start_request(rid, prompt)
+    drafter.on_accepted(rid, response)
+    drafter.stop_request(rid)
+    drafter.overlap()
+
+
+def test_global_automaton_stays_within_its_budget_and_keeps_the_newest_responses():
+    drafter = SuffixAutomatonDrafter(global_budget_tokens=200, corpus=[[900, 901, 902, 903]])
+    rng = random.Random(0)
+    responses = [[rng.randrange(1000, 5000) for _ in range(30)] for _ in range(40)]
+    for i, resp in enumerate(responses):
+        _finish(drafter, f"r{i}", [1, 2, 3], resp)
+        assert drafter.global_tokens <= 200
+    assert drafter.global_rebuilds >= 3
+    # the newest response is still there, the oldest is gone, the corpus stays
+    drafter.start_request("new", responses[-1][:6])
+    got = drafter.propose(["new"], 8)[0].token_ids
+    assert len(got) >= 4 and got == tuple(responses[-1][6:6 + len(got)])
+    drafter.start_request("old", responses[0][:6])
+    assert drafter.propose(["old"], 8)[0].token_ids == ()
+    drafter.start_request("corpus", [900, 901])
+    assert drafter.propose(["corpus"], 2)[0].token_ids == (902, 903)
+
+
+def test_an_active_request_drafts_after_a_rebuild_as_from_a_fresh_automaton():
+    fillers = [list(range(100 + 20 * i, 115 + 20 * i)) for i in range(6)]
+    kept = [10, 11, 12, 13, 14, 15, 16, 17]
+    drafter = SuffixAutomatonDrafter(global_budget_tokens=50)
+    for i, f in enumerate(fillers[:2]):
+        _finish(drafter, f"f{i}", [1], f)
+    _finish(drafter, "kept", [1], kept)
+    drafter.start_request("live", [5, 10, 11])  # its matcher walks the automaton that is rebuilt next
+    _finish(drafter, "push", [1], fillers[2])  # past the budget: the oldest fillers go
+    assert drafter.global_rebuilds == 1
+    fresh = SuffixAutomatonDrafter(global_budget_tokens=None)
+    for name, resp in [("kept", kept), ("push", fillers[2])]:
+        _finish(fresh, name, [1], resp)
+    fresh.start_request("live", [5, 10, 11])
+    for d in (drafter, fresh):
+        d.on_accepted("live", [12])
+    got = drafter.propose(["live"], 4)
+    assert got == fresh.propose(["live"], 4) and got[0].token_ids[:1] == (13,)
+
+
+def test_aborted_outputs_never_join_the_global_automaton(tiny):
+    from specdec import SamplingParams, SpecEngine
+
+    drafter = SuffixAutomatonDrafter()
+    engine = SpecEngine(tiny, drafter)
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=20, ignore_eos=True), req_id="x")
+    engine.step()
+    engine.step()
+    before = drafter.global_tokens
+    engine.abort("x")
+    drafter.overlap()
+    assert drafter.global_tokens == before
+    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    drafter.overlap()
+    assert drafter.global_tokens > before  # a finished response does join
+    with pytest.raises(ConfigError, match="global_budget_tokens"):
+        SuffixAutomatonDrafter(global_budget_tokens=0)

@@ -121,7 +121,12 @@ class Drafter:
         """Tokens the target emitted for ``req_id`` this step (accepted + bonus)."""
 
     def stop_request(self, req_id: str) -> None:
-        """Forget a finished or aborted request."""
+        """Forget a finished request."""
+
+    def abort_request(self, req_id: str) -> None:
+        """Forget an aborted request (its output is not a finished response: a drafter that learns
+        from responses should not learn from it). Default: :meth:`stop_request`."""
+        self.stop_request(req_id)
 
     def overlap(self) -> None:
         """Host work that does not need the current step's result, run while the device

@@ -15,6 +15,7 @@ token, O(k) per draft of k tokens: nothing is rescanned.
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Iterable, Sequence
 
@@ -292,6 +293,11 @@ class SuffixAutomatonDrafter(Drafter):
         corpus: token sequences added to the global automaton, one document each.
         min_token_prob: confidence threshold in ``[0, 1]`` (0 drafts whenever matched).
         match_len_factor: draft tokens allowed per matched token (> 0).
+        global_budget_tokens: most tokens the global automaton indexes (corpus included), so that
+            a long-running server's memory stays bounded (about 1 KB of RSS per indexed token):
+            past it, the oldest responses are dropped down to half the budget and the automaton
+            is rebuilt from the rest (amortised: each token is re-indexed at most a few times).
+            ``None``: unbounded. Aborted requests' outputs never join it.
 
     Raises:
         ConfigError: an argument is out of range (the message names it).
@@ -306,6 +312,7 @@ class SuffixAutomatonDrafter(Drafter):
         corpus: Sequence[Sequence[int]] | None = None,
         min_token_prob: float = 0.1,
         match_len_factor: float = 1.0,
+        global_budget_tokens: int | None = 1 << 18,
     ) -> None:
         _check_int("max_draft_tokens", max_draft_tokens, 1)
         _check_int("min_match_len", min_match_len, 1)
@@ -315,6 +322,8 @@ class SuffixAutomatonDrafter(Drafter):
             raise ConfigError(f"min_token_prob must be a float in [0, 1], got {min_token_prob!r}")
         if not isinstance(match_len_factor, (int, float)) or not 0.0 < match_len_factor < math.inf:
             raise ConfigError(f"match_len_factor must be a finite float > 0, got {match_len_factor!r}")
+        if global_budget_tokens is not None:
+            _check_int("global_budget_tokens", global_budget_tokens, 1)
         if corpus is not None and not use_global:
             raise ConfigError("corpus needs use_global=True (the corpus lives in the global automaton)")
         self.max_draft_tokens = max_draft_tokens
@@ -325,8 +334,14 @@ class SuffixAutomatonDrafter(Drafter):
         self._global = SuffixAutomaton() if use_global else None
         self._requests: dict[str, _Request] = {}
         self._finished: list[list[int]] = []  # responses waiting for overlap() to index them
-        for i, doc in enumerate(corpus or ()):
-            self._global.add_sequence(_token_list(doc, f"corpus[{i}]", ConfigError))
+        self.global_budget_tokens = global_budget_tokens
+        self._corpus = [_token_list(doc, f"corpus[{i}]", ConfigError) for i, doc in enumerate(corpus or ())]
+        self._responses: collections.deque[list[int]] = collections.deque()  # indexed, oldest first
+        self._response_tokens = 0
+        #: global automaton rebuilds (each dropped the oldest responses to stay within the budget)
+        self.global_rebuilds = 0
+        for doc in self._corpus:
+            self._global.add_sequence(doc)
 
     def start_request(self, req_id: str, prompt_token_ids: Sequence[int]) -> None:
         """Index the prompt of a new request.
@@ -400,12 +415,44 @@ class SuffixAutomatonDrafter(Drafter):
         if response:  # indexed by the next overlap(), while the device runs a step
             self._finished.append(response)
 
+    def abort_request(self, req_id: str) -> None:
+        """Free an aborted request; its partial output does not join the global automaton."""
+        self._requests.pop(req_id, None)
+
+    @property
+    def global_tokens(self) -> int:
+        """Tokens the global automaton indexes now (corpus and kept responses, separators included)."""
+        return 0 if self._global is None else len(self._global.tokens)
+
     def overlap(self) -> None:
-        """Add the responses finished since the last call to the global automaton. The engine
-        calls this while the target computes a step; a new request flushes them first."""
+        """Add the responses finished since the last call to the global automaton (and keep it within
+        ``global_budget_tokens``). The engine calls this while the target computes a step; a new
+        request flushes them first."""
         for response in self._finished:
             self._global.add_sequence(response)
+            self._responses.append(response)
+            self._response_tokens += len(response) + 1
         self._finished.clear()
+        budget = self.global_budget_tokens
+        if budget is not None and self._global is not None and self.global_tokens > budget:
+            self._rebuild_global(budget // 2)
+
+    def _rebuild_global(self, target_tokens: int) -> None:
+        """Drop the oldest responses until at most ``target_tokens`` remain indexed (corpus first, it
+        stays), rebuild the automaton, and restart every active request's matcher on it."""
+        corpus_tokens = sum(len(d) + 1 for d in self._corpus)
+        while self._responses and corpus_tokens + self._response_tokens > target_tokens:
+            self._response_tokens -= len(self._responses.popleft()) + 1
+        sam = SuffixAutomaton()
+        for doc in self._corpus:
+            sam.add_sequence(doc)
+        for response in self._responses:
+            sam.add_sequence(response)
+        self._global = sam
+        for req in self._requests.values():
+            req.matcher = Matcher(sam)
+            req.matcher.feed_many(req.sam.tokens)
+        self.global_rebuilds += 1
 
     def _get(self, req_id: str) -> _Request:
         req = self._requests.get(req_id)

@@ -50,6 +50,9 @@ class ServeMetrics:
         self.pages_used = Gauge("specdec_kv_pages_in_use", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("specdec_kv_pages", "KV cache pages in the pool", registry=r)
         self.pages_total.set(engine.manager.num_pages)
+        self.drafter_index = Gauge("specdec_drafter_index_tokens",
+                                   "Tokens a drafter's shared index holds (the suffix drafter's global automaton, "
+                                   "bounded by its global_budget_tokens)", registry=r)
         self._timings = {p: 0.0 for p in _PHASES}
 
     def step(self, seconds: float, batch_size: int) -> None:
@@ -70,6 +73,7 @@ class ServeMetrics:
         self.running.set(running)
         m = self.engine.manager
         self.pages_used.set(m.num_pages - m.num_free_pages)
+        self.drafter_index.set(getattr(self.engine.drafter, "global_tokens", 0))
 
     def request_end(self, out: GenerationOutput) -> None:
         """Count an ended request's tokens and speculation."""
