@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from specdec.errors import CheckpointError, ConfigError
@@ -38,17 +39,20 @@ def expected_tokens(confidence: Sequence[float], k: int) -> float:
     return total
 
 
-def choose_lengths(confidences: Sequence[Sequence[float]], cost: Callable[[int, int], float]) -> list[int]:
+def choose_lengths(confidences: Sequence[Sequence[float]], cost: Callable[[int, int], float],
+                   fixed_rows: int = 0) -> list[int]:
     """Draft lengths to verify for one step's requests.
 
     Args:
         confidences: per request, the confidences of its drafted tokens (each in [0, 1]).
         cost: ``cost(batch, rows)``, the step's time with ``batch`` requests and ``rows`` query
-            rows in all (each request verifies its kept tokens plus one row).
+            rows in all (each request verifies its kept tokens plus one row); a
+            :class:`CostProfile` is read for every candidate in one call (:meth:`CostProfile.costs`).
+        fixed_rows: rows of this step that are not chosen here (drafts kept whole), added to every cost.
 
     Returns:
         how many tokens of each request's draft to keep: the choice that maximises
-        ``(batch + sum of kept tokens' gains) / cost(batch, batch + kept tokens)``.
+        ``(batch + sum of kept tokens' gains) / cost(batch, batch + fixed_rows + kept tokens)``.
     """
     B = len(confidences)
     if B == 0:
@@ -59,20 +63,24 @@ def choose_lengths(confidences: Sequence[Sequence[float]], cost: Callable[[int, 
         if len(c):
             runs[i] = float(c[0])
             heapq.heappush(heap, (-runs[i], i, 0))
-    best_m, best_ratio, gained, m = 0, B / cost(B, B), 0.0, 0
-    order: list[int] = []
+    gains, order = [], []
     while heap:
         g, i, j = heapq.heappop(heap)
-        gained -= g
-        m += 1
+        gains.append(-g)
         order.append(i)
-        ratio = (B + gained) / cost(B, B + m)
-        if ratio > best_ratio:
-            best_m, best_ratio = m, ratio
         c = confidences[i]
         if j + 1 < len(c):
             runs[i] *= float(c[j + 1])
             heapq.heappush(heap, (-runs[i], i, j + 1))
+    rows = [B + fixed_rows + m for m in range(len(gains) + 1)]
+    many = getattr(cost, "costs", None)
+    step = many(B, rows) if many is not None else [cost(B, r) for r in rows]
+    best_m, best_ratio, gained = 0, B / step[0], 0.0
+    for m, g in enumerate(gains, 1):
+        gained += g
+        ratio = (B + gained) / step[m]
+        if ratio > best_ratio:
+            best_m, best_ratio = m, ratio
     keep = [0] * B
     for i in order[:best_m]:
         keep[i] += 1
@@ -84,8 +92,7 @@ def kept_lengths(drafts_conf: Sequence[Sequence[float] | None], lengths: Sequenc
     """:func:`choose_lengths` for drafts of ``lengths``, where a draft without confidences keeps all
     its tokens (and its rows count in the cost)."""
     fixed = sum(n for c, n in zip(drafts_conf, lengths) if c is None)
-    chosen = choose_lengths([c if c is not None else () for c in drafts_conf],
-                            lambda b, r: cost(b, r + fixed))
+    chosen = choose_lengths([c if c is not None else () for c in drafts_conf], cost, fixed_rows=fixed)
     return [n if c is None else k for c, n, k in zip(drafts_conf, lengths, chosen)]
 
 
@@ -106,6 +113,13 @@ class CostProfile:
             raise ConfigError("a cost profile needs at least one measured point")
         if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0) for v in self.points.values()):
             raise ConfigError("cost profile times must be finite numbers > 0")
+        grid = {}  # batch -> (rows ascending, seconds): made once, read at every step
+        for (b, r), t in sorted(self.points.items()):
+            grid.setdefault(b, ([], []))
+            grid[b][0].append(float(r))
+            grid[b][1].append(float(t))
+        object.__setattr__(self, "_grid", {b: (np.array(r), np.array(t)) for b, (r, t) in grid.items()})
+        object.__setattr__(self, "_batches", np.array(sorted(grid)))
 
     @classmethod
     def flat(cls) -> "CostProfile":
@@ -115,24 +129,28 @@ class CostProfile:
     def __call__(self, batch: int, rows: int) -> float:
         """Interpolated seconds: linear in rows at the two nearest measured batch sizes, then in batch
         (clamped to the grid's ends; beyond the largest rows, extrapolated from the last segment)."""
-        batches = sorted({b for b, _ in self.points})
-        lo = max([b for b in batches if b <= batch], default=batches[0])
-        hi = min([b for b in batches if b >= batch], default=batches[-1])
-        t_lo, t_hi = self._at(lo, rows * lo / max(1, batch)), self._at(hi, rows * hi / max(1, batch))
+        return float(self.costs(batch, [rows])[0])
+
+    def costs(self, batch: int, rows: Sequence[float]) -> np.ndarray:
+        """:meth:`__call__` at many row counts of one batch size at once (what a step's rule needs)."""
+        rows = np.asarray(rows, dtype=np.float64)
+        bs = self._batches
+        lo = int(bs[bs <= batch].max()) if (bs <= batch).any() else int(bs[0])
+        hi = int(bs[bs >= batch].min()) if (bs >= batch).any() else int(bs[-1])
+        t_lo = self._at(lo, rows * lo / max(1, batch))
         if hi == lo:
             return t_lo
         w = (batch - lo) / (hi - lo)
-        return t_lo + w * (t_hi - t_lo)
+        return t_lo + w * (self._at(hi, rows * hi / max(1, batch)) - t_lo)
 
-    def _at(self, batch: int, rows: float) -> float:
-        pts = sorted((r, t) for (b, r), t in self.points.items() if b == batch)
-        if len(pts) == 1 or rows <= pts[0][0]:
-            return pts[0][1]
-        for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
-            if rows <= r1:
-                return t0 + (rows - r0) / (r1 - r0) * (t1 - t0)
-        (r0, t0), (r1, t1) = pts[-2], pts[-1]
-        return max(t1, t1 + (rows - r1) / (r1 - r0) * (t1 - t0))
+    def _at(self, batch: int, rows: np.ndarray) -> np.ndarray:
+        r, t = self._grid[batch]
+        if len(r) == 1:
+            return np.full_like(rows, t[0])
+        out = np.interp(rows, r, t)  # clamped at both ends
+        past = rows > r[-1]  # beyond the grid: the last segment's slope, never below its end
+        out[past] = np.maximum(t[-1], t[-1] + (rows[past] - r[-1]) / (r[-1] - r[-2]) * (t[-1] - t[-2]))
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
