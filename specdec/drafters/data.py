@@ -280,32 +280,19 @@ def code_prompts(n: int, seed: int = 0, max_lines: int = 40, workers: int | None
     out, seen = [], set()
     workers = workers or min(16, os.cpu_count() or 1)
     jobs = [(str(f), seed, max_lines) for f in files]
-    with mp.get_context("fork").Pool(workers) if workers > 1 else _Inline() as pool:
-        for tasks in pool.imap(_file_tasks, jobs, chunksize=16):
+    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    try:
+        for tasks in (pool.imap(_file_tasks, jobs, chunksize=16) if pool else map(_file_tasks, jobs)):
             for t in tasks:
                 if t not in seen:
                     seen.add(t)
                     out.append(t)
             if len(out) >= n:
-                pool.terminate()
                 break
+    finally:
+        if pool is not None:
+            pool.terminate()
     return out[:n]
-
-
-class _Inline:
-    """A one-process stand-in for ``multiprocessing.Pool`` (``imap``, ``terminate``, context manager)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def imap(self, fn, jobs, chunksize: int = 1):
-        return map(fn, jobs)
-
-    def terminate(self) -> None:
-        return None
 
 
 def magpie_prompts(engine, n: int, seed: int = 0, max_new_tokens: int = 64, progress: bool = True,

@@ -570,10 +570,9 @@ def new_net(config, target, seed: int = 0):
     """A freshly initialised network for ``config`` (GQA or MLA block drafter), its output norm
     started from the target's (the LM head expects that scale)."""
     from specdec.drafters.block import BlockDrafterNet
+    from specdec.drafters.dspark_mla import MLABlockDrafterConfig, MLABlockDrafterNet
 
-    net_cls = BlockDrafterNet
-    if type(config).__name__ == "MLABlockDrafterConfig":
-        from specdec.drafters.dspark_mla import MLABlockDrafterNet as net_cls
+    net_cls = MLABlockDrafterNet if isinstance(config, MLABlockDrafterConfig) else BlockDrafterNet
     net = init_weights(net_cls(config), seed=seed)
     with torch.no_grad():
         if config.hidden_size == target.hidden_size and hasattr(target, "final_norm"):
