@@ -213,7 +213,7 @@ def _lm_times_markov_up(net, lm: torch.Tensor) -> torch.Tensor:
     """``lm_head @ markov.up.weight`` ``[vocab, rank]``, cached on the net until either changes: a
     slot's Markov bias then costs ``vocab x rank`` per row instead of ``vocab x hidden``."""
     up = net.markov.up.weight
-    key = (lm.data_ptr(), lm._version, lm.dtype, up.data_ptr(), up._version)
+    key = (torch.is_grad_enabled(), lm.data_ptr(), lm._version, lm.dtype, up.data_ptr(), up._version)
     cached = net.__dict__.get("_lm_up")
     if cached is None or cached[0] != key:
         cached = (key, lm @ up.to(lm.dtype))
@@ -316,7 +316,8 @@ class BlockDrafterNet(nn.Module):
         """
         c = self.config
         ws = [w for L in self.layers for w in (L.self_attn.k_proj.weight, L.self_attn.v_proj.weight)]
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        # grad mode in the key: a copy made without grad must never stand in for one that trains
+        key = (torch.is_grad_enabled(), *((w.data_ptr(), w._version, w.dtype, w.device) for w in ws))
         cached = self.__dict__.get("_kv_weight")
         if cached is None or cached[0] != key:
             cached = (key, torch.cat(ws, 0))  # [layers * 2 * Hkv * hd, hidden]
