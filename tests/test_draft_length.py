@@ -4,7 +4,6 @@ cutting drafts losslessly."""
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 from hypothesis import given, settings
@@ -128,7 +127,7 @@ def test_bad_confidences_are_dropped_for_the_step(tiny):
         SpecEngine(tiny, draft_length="longest")
 
 
-def test_dspark_drafts_carry_calibrated_looking_confidences(tiny):
+def test_dspark_drafts_carry_confidences_and_a_flat_profile_keeps_them_all(tiny):
     cfg = BlockDrafterConfig(block_size=4, shift_label=1, target_layer_ids=(0, 1), target_hidden_size=32,
                              vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
                              intermediate_size=64, markov_rank=4, confidence_head=True)
@@ -141,7 +140,8 @@ def test_dspark_drafts_carry_calibrated_looking_confidences(tiny):
     assert len(draft.confidence) == len(draft) == 4 and all(0 < c < 1 for c in draft.confidence)
     while e.has_unfinished():
         e.step()
-    assert json.dumps(e.draft_length_stats)
+    s = e.draft_length_stats  # rows that cost nothing: every token with a chance is verified
+    assert s["steps"] > 0 and s["kept"] == s["drafted"] > 0
 
 
 @pytest.mark.parametrize("batch", [1, 4])
