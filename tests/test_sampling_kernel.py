@@ -21,13 +21,10 @@ that ``shape_logits`` computed before them, on every machine.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_interpreted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -212,13 +209,7 @@ def test_the_default_path_is_torch_off_cuda(monkeypatch):
 @pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="the kernel tests run in this process (interpreter or GPU)")
 def test_cpu_interpreter_suite():
     """Re-run this file with ``TRITON_INTERPRET=1``, so the kernels are built for Triton's CPU interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-m", "not gpu", "-k", "not interpreter_suite",
-           "-p", "no:cacheprovider", "-x", "-rs"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    # Every selected test ran there: passed, none skipped.
-    assert re.search(r"\b\d+ passed, \d+ deselected(, \d+ warnings?)? in\b", done.stdout), done.stdout[-3000:]
+    run_interpreted(__file__, "not interpreter_suite", timeout=900)
 
 
 # --------------------------------------------------------------------------- GPU
