@@ -7,8 +7,11 @@
 #                                       # each, into specdec/drafters/checkpoints/ (RESUME=1: continue the
 #                                       # checkpoints there); weights, training.json and plots come back
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
-# Knobs: MAGPIE, CODE (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART;
-# DATA may name several folders (the parts), space-separated, for train.
+#   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
+# Knobs: MAGPIE, CODE (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
+# SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
+# for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs);
+# LR (peak learning rate, default 1e-3).
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -27,13 +30,14 @@ for part in "$@"; do
     data)
       timeout 560 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
-        --part "${PART:-0/1}" --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
+        --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
     train)
       for kind in dflash dspark; do
         resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
+        [ -n "${INIT:-}" ] && resume="--init $CK/smollm2-135m-$kind"
         timeout 580 python -m specdec.drafters.training --data $DATA --kind $kind --out "/tmp/ck-$kind" \
-          --max-seconds "${SECONDS_BUDGET:-420}" $resume > "$OUT/train_$kind.log" 2>&1 &
+          --max-seconds "${SECONDS_BUDGET:-420}" --lr "${LR:-1e-3}" $resume > "$OUT/train_$kind.log" 2>&1 &
       done
       wait
       for kind in dflash dspark; do
@@ -42,11 +46,16 @@ for part in "$@"; do
           && cp -r /tmp/ck-$kind "$CK/smollm2-135m-$kind"
       done ;;
     eval)
-      timeout 280 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dspark --skip-hf --out "$OUT/e2e_humaneval" 2>&1 | grep "^|"
-      timeout 280 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
-        --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash,dspark --skip-hf \
-        --out "$OUT/e2e_specbench" 2>&1 | grep "^|" ;;
+      timeout 250 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dspark,dspark+conf --skip-hf --out "$OUT/e2e_humaneval" \
+        2>&1 | grep "^|"
+      timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
+        --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash,dspark,dspark+conf \
+        --skip-hf --out "$OUT/e2e_specbench" 2>&1 | grep "^|" ;;
+    gputests)
+      timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_sampling_kernel.py \
+        tests/test_sampling_batched.py -m gpu -p no:cacheprovider -rs -o addopts= 2>&1 | tail -25 \
+        | tee "$OUT/gpu_tests_drafters.txt" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

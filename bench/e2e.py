@@ -14,9 +14,10 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
   specdec-<name>     SpecEngine with drafter <name> (default: null and suffix)
   specdec-<name>-invariant   the same with batch_invariant=True (--invariant)
   specdec-<name>+nopg  the same with prompt_graphs=False (+pg: True, the default), +nooverlap with
-                     overlap_steps=False (+overlap: True; the default is on for null on CUDA); its
-                     ratio and equality are taken to specdec-null with the same suffixes when the
-                     run has it
+                     overlap_steps=False (+overlap: True; the default is on for null on CUDA), +conf
+                     with draft_length="confidence" (drafts cut where their expected accepted tokens
+                     per unit of step cost stop rising); its ratio and equality are taken to
+                     specdec-null with the same suffixes when the run has it
 
 Reports tokens/s, ratios to hf-greedy and to specdec-null, mean accepted
 length, the per-step time breakdown (target forward incl. the one device sync,
@@ -123,13 +124,14 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         engine.runner.stats[k] = 0
     engine.runner.stats["eager_reasons"].clear()
     engine.runner.stats["backends"].clear()
-    outs, t_total = [], 0.0
+    outs, t_total, batch_s = [], 0.0, []
     for i in range(0, len(prompt_ids), batch_size):
         _sync(args.device)
         t0 = time.perf_counter()
         outs += engine.generate(prompt_ids[i:i + batch_size], params)
         _sync(args.device)
-        t_total += time.perf_counter() - t0
+        batch_s.append(time.perf_counter() - t0)
+        t_total += batch_s[-1]
     profile = None
     if args.cprofile:  # untimed: the host's functions over a second pass of the first prompts
         import cProfile
@@ -151,6 +153,10 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "steps": engine.timings["steps"], "per_step_ms": per_step_ms, "graphs": engine.graph_stats,
             "precaptured_graphs": precaptured, "precapture_s": precapture_s,
             "mean_context": sum(len(o.prompt_token_ids) + len(o.token_ids) / 2 for o in outs) / len(outs),
+            # per request: new tokens, generation steps, tokens those steps emitted (its tau = third / second)
+            "per_request": [(len(o.token_ids), len(o.stats.accepted_lengths), sum(o.stats.accepted_lengths))
+                            for o in outs],
+            "batch_s": batch_s,
             **({"cprofile": profile} if profile else {})}
 
 
@@ -162,7 +168,8 @@ def _tps(r: dict) -> float:
 # is taken to the null drafter with the same settings ("specdec-null+nopg") when the run has it.
 # The defaults: prompt graphs on, overlapped decode steps on for the null drafter on CUDA.
 ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False},
-                   "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False}}
+                   "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False},
+                   "conf": {"draft_length": "confidence"}}
 
 
 def _null_of(label: str, labels=()) -> str:
@@ -246,11 +253,16 @@ def main() -> None:
     target = load_target("smollm2-135m", dtype=dtype, device=args.device)
     tok = target.tokenizer
 
+    categories: list[str] = []  # Spec-Bench category of each prompt (the per-category tables)
+
     def texts(problems):
         if args.spec_bench:  # evaluation only: first turns of the questions, in file order
             with open(args.spec_bench) as f:
-                qs = [json.loads(line)["turns"][0] for line in f if line.strip()]
-            return [qs[i] for i in parse_range(problems)]
+                qs = [json.loads(line) for line in f if line.strip()]
+            picked = [qs[i] for i in parse_range(problems)]
+            if not categories:
+                categories.extend(q.get("category", "?") for q in picked)
+            return [q["turns"][0] for q in picked]
         return humaneval_prompts(parse_range(problems))
 
     def encode(problems):
@@ -289,7 +301,8 @@ def main() -> None:
         machine = (f"{platform.machine()}, {torch.get_num_threads()} threads" if args.device == "cpu"
                    else torch.cuda.get_device_name())
         head = (f"`python bench/e2e.py {' '.join(sys.argv[1:])}` — {datetime.date.today()}, {machine}, "
-                f"torch {torch.__version__}, SmolLM2-135M {args.dtype}, HumanEval {args.problems}"
+                f"torch {torch.__version__}, SmolLM2-135M {args.dtype}, "
+                f"{'Spec-Bench first turns' if args.spec_bench else 'HumanEval'} {args.problems}"
                 f"{f' (HF at batch 1: {args.hf_problems})' if args.hf_problems else ''}, "
                 f"{args.max_new_tokens} new tokens, greedy"
                 + (f"; specdec systems run {args.repeat} times round-robin: tokens/s is the median run (range), "
@@ -329,10 +342,41 @@ def main() -> None:
                         if ref and name.startswith("specdec") else "-")
                 text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
             text.append("")
+            text += category_table(res, b)
             for name, r in res.items():
                 if r.get("cprofile"):
                     text += [f"#### cProfile: {name}, batch {b} (top 30 by own time)", "", "```", r["cprofile"], "```", ""]
         return "\n".join(text) + "\n" + ("" if done else "\n(incomplete: the run was still going)\n")
+
+    def category_table(res: dict, b: int) -> list[str]:
+        """Spec-Bench per category, as Spec-Bench reports it: each system's tau (tokens per target
+        step) and, at batch 1 (where every request is timed alone), tokens/s against null."""
+        names = [n for n, r in res.items() if "per_request" in r]
+        if not categories or not names:
+            return []
+        cats = list(dict.fromkeys(categories))
+        null = res.get("specdec-null")
+        head = "| category | prompts | " + " | ".join(f"{n.removeprefix('specdec-')} tau" for n in names)
+        if b == 1 and null:
+            head += " | " + " | ".join(f"{n.removeprefix('specdec-')} vs null" for n in names if n != "specdec-null")
+        lines = [f"#### Spec-Bench per category, batch {b}", "", head + " |",
+                 "|" + "---|" * (head.count("|") - 0)]
+
+        def tau(r, idx):
+            steps = sum(r["per_request"][i][1] for i in idx)
+            return sum(r["per_request"][i][2] for i in idx) / max(1, steps)
+
+        def tps(r, idx):
+            return sum(r["per_request"][i][0] for i in idx) / max(1e-9, sum(r["batch_s"][i] for i in idx))
+
+        for cat in cats + ["overall"]:
+            idx = [i for i, c in enumerate(categories) if c == cat or cat == "overall"]
+            row = f"| {cat} | {len(idx)} | " + " | ".join(f"{tau(res[n], idx):.2f}" for n in names)
+            if b == 1 and null:
+                row += " | " + " | ".join(f"{tps(res[n], idx) / tps(null, idx):.2f}x" for n in names
+                                          if n != "specdec-null")
+            lines.append(row + " |")
+        return lines + [""]
 
     def save(done: bool) -> str:
         """Write the tables so far to --out (after every round: a run cut short keeps what it measured)."""

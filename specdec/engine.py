@@ -88,6 +88,10 @@ class SpecEngine:
         num_pages = cfg.num_pages or self._default_num_pages(per_token)
         self.pool = KVPool(specs, num_pages, tpb, device=target.device)
         self.manager = KVCacheManager(num_pages, tpb)
+        self._scratch_slot = None  # one slot no request owns, for padding tokens' writes (graphs on CUDA)
+        if cfg.cuda_graphs and target.device.type == "cuda":
+            self.manager.allocate(_SCRATCH, 1)
+            self._scratch_slot = self.manager.slots(_SCRATCH, 0, 1)[0]
         self.draft_kv = self._draft_kv(draft_specs)
         self.drafter.bind(target, self.draft_kv)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs)
@@ -132,13 +136,10 @@ class SpecEngine:
 
     def _model_runner(self) -> ModelRunner:
         cfg = self.config
-        policy = scratch = None
+        policy, scratch = None, self._scratch_slot
         if cfg.cuda_graphs:
             policy = GraphPolicy(cfg.max_num_seqs, cfg.max_draft_tokens, self.target.max_context, cfg.batch_invariant,
                                  cfg.prompt_graphs)
-            if self.target.device.type == "cuda":  # one slot no request owns, for padding tokens' writes
-                self.manager.allocate(_SCRATCH, 1)
-                scratch = self.manager.slots(_SCRATCH, 0, 1)[0]
         # a partial, not a bound method: the runner must not keep the engine alive (a reference cycle)
         shape_of = functools.partial(_shape_of, self.target, cfg.tokens_per_block, cfg.kv_dtype)
         return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, shape_of,
@@ -150,12 +151,15 @@ class SpecEngine:
         if not draft_specs:
             return None
         if self.kv_decision.shared:
-            return DraftKV(self.pool, self.pool.add_layers(draft_specs), self.manager, shared=True)
+            return DraftKV(self.pool, self.pool.add_layers(draft_specs), self.manager, shared=True,
+                           scratch_slot=self._scratch_slot)
         tpb = self.kv_decision.draft_tokens_per_block
         # as many tokens as the target pool, plus one partly filled page per running request
         pages = -(-self.pool.capacity_tokens // tpb) + self.config.max_num_seqs
-        pool = KVPool(draft_specs, pages, tpb, device=self.target.device)
-        return DraftKV(pool, range(len(draft_specs)), KVCacheManager(pages, tpb), shared=False)
+        # one page more than its manager hands out: its first slot takes padding writes
+        pool = KVPool(draft_specs, pages + 1, tpb, device=self.target.device)
+        return DraftKV(pool, range(len(draft_specs)), KVCacheManager(pages, tpb), shared=False,
+                       scratch_slot=pages * tpb)
 
     @property
     def kv_layout(self) -> dict:

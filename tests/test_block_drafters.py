@@ -97,6 +97,9 @@ def test_context_features_written_only_for_accepted_positions(tiny):
         engine.step()
     seq = engine._seqs[rid]
     n = seq.num_cached
+    assert rid in drafter._pending  # the last step's positions are staged, for the next propose to write
+    drafter.propose([rid], 1)
+    assert not drafter._pending
     hidden = target_hidden_states(tiny, seq.tokens[:n], drafter.target_layer_ids)
     with torch.inference_mode():
         k, v = drafter.net.context_kv(0, drafter.net.project_context(hidden), torch.arange(n))

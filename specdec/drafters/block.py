@@ -130,13 +130,18 @@ def spread_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dimension times ``w``: one fused kernel where the dtypes agree (an
+    inference step), fp32 statistics otherwise (a weight kept in fp32 under autocast)."""
+    if x.dtype == w.dtype:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float,
                  device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 rotate-half RoPE factors at integer positions: ``pos`` ``[...]`` → cos, sin ``[..., 1, dim]``.
+    """fp32 rotate-half RoPE factors at integer positions: ``pos`` ``[...]`` → cos, signed sin
+    ``[..., 1, dim]`` (the sine's first half negated, so that :func:`rotate` needs no negation).
 
     The one place they are computed, so that per-call factors (:func:`_rope`) and a
     precomputed :class:`RopeTable` are the same numbers.
@@ -144,14 +149,17 @@ def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float,
     dev = pos.device if device is None else device
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=dev, dtype=torch.float32) / dim))
     ang = pos.to(torch.float32)[..., None] * inv  # [..., dim/2]
-    return torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([ang.sin()] * 2, -1).unsqueeze(-2)
+    sin = ang.sin()
+    return torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([-sin, sin], -1).unsqueeze(-2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE factors from :func:`rope_cos_sin` to ``x`` ``[..., heads, D]`` (fp32 math, one rounding)."""
-    d = x.shape[-1]
-    rot = torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+    """Apply RoPE factors from :func:`rope_cos_sin` to ``x`` ``[..., heads, D]`` (fp32 math, one rounding).
+
+    Rotate-half: ``x * cos + [-x2, x1] * sin``, written as ``x * cos + roll(x) * signed_sin``
+    (the same numbers, fewer kernels).
+    """
+    return (x * cos + x.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -188,36 +196,55 @@ def draft_from_hidden(net, h: torch.Tensor, first_prev: torch.Tensor, lm_head: t
     """Greedy drafts of ``W`` slots: ``h`` ``[N, W, hidden]``, ``first_prev`` ``[N]`` (the anchor token)
     → tokens ``[N, W]`` int64 and, if asked and the net has a confidence head, per-slot acceptance
     probabilities ``[N, W]`` fp32. With a Markov head the slots are decoded in turn (each slot's
-    bias comes from the token drafted before it); without one, in one matmul."""
+    bias comes from the token drafted before it: a gather, one rank-``r`` update of its logits and
+    an argmax per slot); without one, in one matmul. Confidences are computed once, for every slot."""
     N, W, _ = h.shape
     markov = getattr(net, "markov", None) is not None
     conf_head = with_confidence and getattr(net, "confidence", None) is not None
     if not markov and not conf_head:
         return F.linear(h.reshape(N * W, -1), lm_head.to(h.dtype)).argmax(-1).view(N, W), None
     lm = lm_head.to(h.dtype)
-    base = F.linear(h, lm)  # [N, W, vocab]: every slot's logits without the Markov bias, one matmul
-    lm_up = _lm_times_markov_up(net, lm) if markov else None  # [vocab, rank]
-    toks, confs, prev = [], [], first_prev
-    for j in range(W):
-        logits = base[:, j]  # the Markov bias in logit space is rank r: lm_head @ up @ down @ embed[prev]
-        if markov:
-            logits = logits + F.linear(net.markov.down(embed[prev].to(h.dtype)), lm_up)
-        prev = logits.argmax(-1)
-        toks.append(prev)
-        if conf_head:
-            confs.append(torch.sigmoid(net.confidence_logit(h[:, j], logits)))
-    return torch.stack(toks, 1), torch.stack(confs, 1).float() if conf_head else None
+    logits = F.linear(h, lm)  # [N, W, vocab]: every slot's logits without the Markov bias, one matmul
+    if markov:
+        # the Markov bias in logit space is rank r: (embed @ down^T)[prev] @ (lm_head @ up)^T
+        e_down = _cached_product(net, "_embed_down", embed, net.markov.down.weight.t(), h.dtype)  # [vocab, rank]
+        lm_up = _cached_product(net, "_lm_up", lm, net.markov.up.weight, h.dtype)  # [vocab, rank]
+        toks, prev = [], first_prev
+        for j in range(W):
+            lj = logits[:, j]
+            lj.addmm_(e_down[prev], lm_up.t())  # in place: logits then hold every slot's biased logits
+            prev = lj.argmax(-1)
+            toks.append(prev)
+        tokens = torch.stack(toks, 1)
+    else:
+        tokens = logits.argmax(-1)
+    conf = torch.sigmoid(net.confidence_logit(h, logits)).float() if conf_head else None
+    return tokens, conf
 
 
-def _lm_times_markov_up(net, lm: torch.Tensor) -> torch.Tensor:
-    """``lm_head @ markov.up.weight`` ``[vocab, rank]``, cached on the net until either changes: a
-    slot's Markov bias then costs ``vocab x rank`` per row instead of ``vocab x hidden``."""
-    up = net.markov.up.weight
-    key = (torch.is_grad_enabled(), lm.data_ptr(), lm._version, lm.dtype, up.data_ptr(), up._version)
-    cached = net.__dict__.get("_lm_up")
+def _cached_product(net, name: str, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``dtype`` (e.g. ``[vocab, hidden] @ [hidden, rank]``), cached on the net until
+    either input changes. Not cached while autograd records (a training step)."""
+    if torch.is_grad_enabled():
+        return a.to(dtype) @ b.to(dtype)
+    key = (a.data_ptr(), a._version, a.shape, b.data_ptr(), b._version, b.shape, b.stride(), dtype, b.device)
+    cached = net.__dict__.get(name)
     if cached is None or cached[0] != key:
-        cached = (key, lm @ up.to(lm.dtype))
-        net.__dict__["_lm_up"] = cached
+        cached = (key, a.to(dtype) @ b.to(dtype))
+        net.__dict__[name] = cached
+    return cached[1]
+
+
+def _stacked(module: nn.Module, name: str, weights: list[torch.Tensor]) -> torch.Tensor:
+    """``weights`` concatenated along their output dimension (one GEMM for several projections),
+    cached on ``module`` until one of them changes; made anew while autograd records."""
+    if torch.is_grad_enabled():
+        return torch.cat(weights, 0)
+    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    cached = module.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.cat(weights, 0))
+        module.__dict__[name] = cached
     return cached[1]
 
 
@@ -228,6 +255,12 @@ def block_mask(ctx_valid: torch.Tensor, block_size: int) -> torch.Tensor:
     """
     N = ctx_valid.shape[0]
     return torch.cat([ctx_valid, ctx_valid.new_ones(N, block_size)], 1)[:, None, None, :]
+
+
+def mlp(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP of a drafter layer (``gate_proj``, ``up_proj``, ``down_proj``): gate and up in one GEMM."""
+    g, u = F.linear(h, _stacked(m, "_gate_up", [m.gate_proj.weight, m.up_proj.weight])).chunk(2, -1)
+    return m.down_proj(F.silu(g) * u)
 
 
 class _Norm(nn.Module):
@@ -370,19 +403,25 @@ class BlockDrafterNet(nn.Module):
         """
         c = self.config
         N, B, _ = x.shape
-        for L, (kc, vc) in zip(self.layers, ctx_kv):
+        H, Hkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        for i, (L, (kc, vc)) in enumerate(zip(self.layers, ctx_kv)):
+            a = L.self_attn
             h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
-            q = rotate(L.qk(h, c, c.num_heads, "q"), *rope)
-            k = rotate(L.qk(h, c, c.num_kv_heads, "k"), *rope)
-            v = L.self_attn.v_proj(h).view(N, B, c.num_kv_heads, c.head_dim)
+            qkv = F.linear(h, _stacked(L, "_qkv", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            qkv = qkv.view(N, B, H + 2 * Hkv, hd)
+            if c.qk_norm:
+                qk = torch.cat([_rms(qkv[:, :, :H], a.q_norm.weight, c.rms_norm_eps),
+                                _rms(qkv[:, :, H:H + Hkv], a.k_norm.weight, c.rms_norm_eps)], 2)
+            else:
+                qk = qkv[:, :, :H + Hkv]
+            qk = rotate(qk, *rope)  # queries and keys in one rotation
+            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
             k = torch.cat([kc.expand(N, -1, -1, -1).to(k.dtype), k], 1).transpose(1, 2)  # [N, Hkv, Lc + B, hd]
             v = torch.cat([vc.expand(N, -1, -1, -1).to(v.dtype), v], 1).transpose(1, 2)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
-                                               enable_gqa=c.num_heads != c.num_kv_heads)  # [N, H, B, hd]
-            x = x + L.self_attn.o_proj(o.transpose(1, 2).reshape(N, B, -1))
-            h = _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps)
-            m = L.mlp
-            x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+                                               enable_gqa=H != Hkv)  # [N, H, B, hd]
+            x = x + a.o_proj(o.transpose(1, 2).reshape(N, B, -1))
+            x = x + mlp(L.mlp, _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps))
         return _rms(x, self.norm.weight, c.rms_norm_eps)
 
     # -- checkpoints -----------------------------------------------------------

@@ -16,6 +16,13 @@ two, context keys to a multiple of :data:`CTX_BUCKET`, padding masked out) so
 that they recur: attention plans are reused and each bucket's forward is
 captured once as a CUDA graph and replayed (``cuda_graphs``). On the CPU
 nothing is padded and no graph is used.
+
+Context writes ride in the next propose: :meth:`BlockDrafter.on_contexts` copies a
+generation step's hidden states (at most ``block_size + 1`` accepted positions per
+request) into a staging buffer, and the next propose projects them and writes their
+K/V inside its graph, before the block reads them; padding rows write to the
+KV's scratch slot. Prompts (longer spans), and writes still pending when new ones
+arrive, are written at once. Without a scratch slot every write is immediate.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ MAX_PADDED_REQUESTS = 256
 class _ProposeGraph:
     """A captured propose of one bucket: static inputs in, drafted tokens out."""
 
-    host: torch.Tensor  # pinned [rows, 2 * B + 1 + pages] int64, packed inputs (BlockDrafter._pack)
+    host: torch.Tensor  # pinned [rows, 2 * B + 1 + 3 * D + pages] int64, packed inputs (BlockDrafter._pack)
     dev: torch.Tensor  # the same on the device, read by the graph
     graph: "torch.cuda.CUDAGraph | None" = None
     tokens: torch.Tensor | None = None  # [rows, draft_width] int64
@@ -102,6 +109,10 @@ class BlockDrafter(Drafter):
         self._iota: torch.Tensor | None = None
         self._graphs: dict[tuple[int, int], _ProposeGraph] = {}
         self._mempool = None
+        #: context positions written inside the next propose: req_id -> (start, stage row, slots)
+        self._pending: dict[str, tuple[int, int, list[int]]] = {}
+        self._stage: torch.Tensor | None = None  # [rows, features] hidden states of pending writes
+        self._defer = 0  # pending positions per request a propose writes (0: every write immediate)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True) -> "BlockDrafter":
@@ -144,6 +155,13 @@ class BlockDrafter(Drafter):
         self.net.to(device=target.device, dtype=target.dtype)
         self._embed, self._lm_head, self.kv = target.embed, target.lm_head, kv
         self.pad_shapes = target.device.type == "cuda"
+        self._pending.clear()
+        self._defer, self._stage = 0, None
+        if getattr(kv, "scratch_slot", None) is not None:
+            self._defer = c.block_size + 1  # a verify step accepts at most draft width + 1 positions
+            feats = len(c.target_layer_ids) * c.target_hidden_size
+            self._stage = torch.zeros(MAX_PADDED_REQUESTS * self._defer, feats, dtype=target.dtype,
+                                      device=target.device)
         # slot positions reach max_context + block_size - 1
         self._make_tables(target.max_context + c.block_size)
 
@@ -164,34 +182,73 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def on_contexts(self, spans, hidden: torch.Tensor) -> None:
-        """Write every request's new context K/V for the whole step, whatever the batch: one gather,
-        one projection of every layer's K and V (:meth:`BlockDrafterNet.context_kv_all`), one
-        write per layer and cache."""
-        rows, slots, pos = [], [], []
-        for req_id, start, row, n in spans:
+        """Take every request's new context positions of the step, whatever the batch.
+
+        Short spans (a generation step's accepted positions) are staged: their hidden states are
+        copied in one go and the next :meth:`propose` writes their K/V inside its graph. Longer
+        spans (prompts), and writes still pending from an earlier step, are written now: one
+        gather, one projection of every layer's K and V
+        (:meth:`BlockDrafterNet.context_kv_all`), one write per layer and cache.
+        """
+        if self._pending:  # the staging buffer is about to be reused
+            self._flush()
+        now, later = [], []
+        for span in spans:
+            req_id, start, _, n = span
             if req_id not in self._tokens:
                 raise InvalidRequestError(f"unknown request {req_id!r}")
             self.kv.reserve(req_id, start + n)
-            rows += range(row, row + n)
-            slots += self.kv.slots(req_id, start, start + n)
-            pos += range(start, start + n)
             self._ctx_len[req_id] = start + n
-        if not rows:
-            return
+            if n:
+                (later if n <= self._defer else now).append(span)
+        if later:
+            lo, hi = min(s[2] for s in later), max(s[2] + s[3] for s in later)
+            if hi - lo <= self._stage.shape[0]:
+                self._stage[: hi - lo].copy_(hidden[lo:hi])
+                # slots fixed now: a pending write lands where the request's pages were when staged
+                self._pending.update((r, (start, row - lo, self.kv.slots(r, start, start + n)))
+                                     for r, start, row, n in later)
+            else:
+                now += later
+        if now:
+            rows, slots, pos = [], [], []
+            for req_id, start, row, n in now:
+                rows += range(row, row + n)
+                slots += self.kv.slots(req_id, start, start + n)
+                pos += range(start, start + n)
+            self._write(hidden, rows, slots, pos)
+
+    def _flush(self) -> None:
+        """Write every pending context position now (from the staging buffer)."""
+        rows, slots, pos = [], [], []
+        for start, row, where in self._pending.values():
+            rows += range(row, row + len(where))
+            slots += where
+            pos += range(start, start + len(where))
+        self._pending.clear()
+        if rows:
+            self._write(self._stage, rows, slots, pos)
+
+    def _write(self, hidden: torch.Tensor, rows: list[int], slots: list[int], pos: list[int]) -> None:
+        """Write the context K/V of ``hidden[rows]`` at cache ``slots`` (positions ``pos``), eagerly."""
         if max(pos) >= self._rope.length:
             self._make_tables(max(pos) + 1)
-        dense = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
+        dense = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
         idx = self._to_device(torch.tensor([slots, pos] if dense else [slots, pos, rows], dtype=torch.long))
-        slots_t, pos_t = idx[0], idx[1]
-        ctx = self.net.project_context(hidden if dense else hidden[idx[2]])  # [n, hidden]
-        rope = self._rope(pos_t)
+        self._write_context(hidden if dense else hidden[idx[2]], idx[0], idx[1])
+
+    def _write_context(self, hidden: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+        """Project target hidden states ``[n, features]`` into every layer's K/V and write them at
+        ``slots`` ``[n]`` (positions ``pos`` ``[n]``, on the device): no host work, capturable."""
+        ctx = self.net.project_context(hidden)  # [n, hidden]
+        rope = self._rope(pos)
         fused = getattr(self.net, "context_kv_all", None)
-        kvs = fused(ctx, pos_t, rope) if fused is not None else \
-            [self.net.context_kv(i, ctx, pos_t, rope) for i in range(self.config.num_layers)]
+        kvs = fused(ctx, pos, rope) if fused is not None else \
+            [self.net.context_kv(i, ctx, pos, rope) for i in range(self.config.num_layers)]
         for i, (k, v) in enumerate(kvs):  # v is None for a K-only (latent) layer
-            self.kv.k(i).index_copy_(0, slots_t, k.to(self.kv.k(i).dtype))
+            self.kv.k(i).index_copy_(0, slots, k.to(self.kv.k(i).dtype))
             if v is not None:
-                self.kv.v(i).index_copy_(0, slots_t, v.to(self.kv.v(i).dtype))
+                self.kv.v(i).index_copy_(0, slots, v.to(self.kv.v(i).dtype))
 
     def on_accepted(self, req_id: str, token_ids: Sequence[int]) -> None:
         if req_id not in self._tokens:
@@ -201,6 +258,7 @@ class BlockDrafter(Drafter):
     def stop_request(self, req_id: str) -> None:
         self._tokens.pop(req_id, None)
         self._ctx_len.pop(req_id, None)
+        self._pending.pop(req_id, None)
         if self.kv is not None:
             self.kv.release(req_id)
 
@@ -248,23 +306,33 @@ class BlockDrafter(Drafter):
         return ""
 
     def _pack(self, req_ids, ctx_lens, rows: int, cols: int) -> torch.Tensor:
-        """What propose needs from the host, one int64 row per request, built in one go.
+        """What propose needs from the host, one int64 row per request, built in one go; takes the
+        requests' pending context writes (they are written by this propose).
 
         Row: block token ids ``[B]`` (anchor, then mask tokens), slot positions ``[B]``, context
-        length ``[1]``, page table ``[ceil(cols / tokens_per_block)]`` (0-padded). Rows past
+        length ``[1]``; with staged writes (``D = block_size + 1`` per request) their staging rows
+        ``[D]``, positions ``[D]`` and cache slots ``[D]`` (padding: row 0, position 0, the scratch
+        slot); then the page table ``[ceil(cols / tokens_per_block)]`` (0-padded). Rows past
         ``len(req_ids)`` are padding: an empty context, never read back.
 
         Returns:
-            ``[rows, 2 * B + 1 + pages]`` on the host.
+            ``[rows, 2 * B + 1 + 3 * D + pages]`` on the host.
         """
-        c, tpb = self.config, self.kv.tokens_per_block
+        c, tpb, D = self.config, self.kv.tokens_per_block, self._defer
         B, P = c.block_size, -(-cols // tpb)
         masks = [c.mask_token_id] * (B - 1)
+        no_write = [0] * (2 * D) + [self.kv.scratch_slot] * D if D else []
         out = []
         for r, n in zip(req_ids, ctx_lens):
             pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
-            out.append([self._tokens[r][-1], *masks, *range(n, n + B), n, *pages, *[0] * (P - len(pages))])
-        out += [[c.mask_token_id, *masks, *range(B), 0, *[0] * P]] * (rows - len(out))
+            write = no_write
+            if r in self._pending:
+                start, row, where = self._pending.pop(r)
+                m, pad = len(where), D - len(where)
+                write = [*range(row, row + m), *[0] * pad, *range(start, start + m), *[0] * pad,
+                         *where, *[self.kv.scratch_slot] * pad]
+            out.append([self._tokens[r][-1], *masks, *range(n, n + B), n, *write, *pages, *[0] * (P - len(pages))])
+        out += [[c.mask_token_id, *masks, *range(B), 0, *no_write, *[0] * P]] * (rows - len(out))
         return torch.tensor(out, dtype=torch.long)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -296,12 +364,16 @@ class BlockDrafter(Drafter):
         work, no synchronisation (this is what a graph captures).
 
         Args:
-            packed: :meth:`_pack`'s array on the device, ``[rows, 2 * B + 1 + pages]``.
+            packed: :meth:`_pack`'s array on the device, ``[rows, 2 * B + 1 + 3 * D + pages]``.
             cols: context keys to read per request (``<= pages * tokens_per_block``).
             width: draft slots to decode (``<= draft_width``).
         """
-        c, tpb, B = self.config, self.kv.tokens_per_block, self.config.block_size
-        ids, pos, lens, pages = packed[:, :B], packed[:, B:2 * B], packed[:, 2 * B:2 * B + 1], packed[:, 2 * B + 1:]
+        c, tpb, B, D = self.config, self.kv.tokens_per_block, self.config.block_size, self._defer
+        ids, pos, lens = packed[:, :B], packed[:, B:2 * B], packed[:, 2 * B:2 * B + 1]
+        pages = packed[:, 2 * B + 1 + 3 * D:]
+        if D:  # the context positions staged since the last propose, before anything reads them
+            w = packed[:, 2 * B + 1:2 * B + 1 + 3 * D]
+            self._write_context(self._stage[w[:, :D].flatten()], w[:, 2 * D:].flatten(), w[:, D:2 * D].flatten())
         slots = (pages[:, :, None] * tpb + self._iota[:tpb]).flatten(1)[:, :cols]  # [rows, cols]
         valid = self._iota[:cols] < lens  # [rows, cols]; keys past a context are read, then masked out
         ctx_kv = [(self.kv.k(i)[slots], None if self.kv.v(i) is None else self.kv.v(i)[slots])

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters.base import register_drafter
-from specdec.drafters.block import _linear, _Norm, _rms, block_mask, output_slots, rope_cos_sin, rotate
+from specdec.drafters.block import _linear, _Norm, _rms, block_mask, mlp, output_slots, rope_cos_sin, rotate
 from specdec.drafters.dflash import BlockDrafter
 from specdec.errors import CheckpointError, ConfigError
 from specdec.kvcache.pool import LayerSpec
@@ -230,9 +230,7 @@ class MLABlockDrafterNet(nn.Module):
         c = self.config
         for L, (latent, _) in zip(self.layers, ctx_kv):
             x = x + L.attention(_rms(x, L.input_layernorm.weight, c.rms_norm_eps), rope, latent, mask)
-            h = _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps)
-            m = L.mlp
-            x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+            x = x + mlp(L.mlp, _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps))
         return _rms(x, self.norm.weight, c.rms_norm_eps)
 
     def save(self, path: str | Path) -> None:

@@ -20,10 +20,15 @@ class DraftKV:
         layer_ids: indices of the drafter's layers in ``pool``.
         manager: the page manager of ``pool``.
         shared: the manager is the target's (lengths follow the target's requests).
+        scratch_slot: a slot of ``pool`` no request owns, for the writes of padding rows (a
+            captured propose writes a fixed number of context positions); ``None``: there is none,
+            and the drafter writes only real positions.
     """
 
-    def __init__(self, pool: KVPool, layer_ids, manager: KVCacheManager, shared: bool):
+    def __init__(self, pool: KVPool, layer_ids, manager: KVCacheManager, shared: bool,
+                 scratch_slot: int | None = None):
         self.pool, self.layer_ids, self.manager, self.shared = pool, list(layer_ids), manager, shared
+        self.scratch_slot = scratch_slot
 
     @property
     def tokens_per_block(self) -> int:
