@@ -111,7 +111,7 @@ class BlockDrafter(Drafter):
         self._mempool = None
         #: context positions written inside the next propose: req_id -> (start, stage row, slots)
         self._pending: dict[str, tuple[int, int, list[int]]] = {}
-        self._stage: torch.Tensor | None = None  # [rows, features] hidden states of pending writes
+        self._ctx_stage: torch.Tensor | None = None  # [rows, features] hidden states of pending writes
         self._defer = 0  # pending positions per request a propose writes (0: every write immediate)
 
     @classmethod
@@ -156,11 +156,11 @@ class BlockDrafter(Drafter):
         self._embed, self._lm_head, self.kv = target.embed, target.lm_head, kv
         self.pad_shapes = target.device.type == "cuda"
         self._pending.clear()
-        self._defer, self._stage = 0, None
+        self._defer, self._ctx_stage = 0, None
         if getattr(kv, "scratch_slot", None) is not None:
             self._defer = c.block_size + 1  # a verify step accepts at most draft width + 1 positions
             feats = len(c.target_layer_ids) * c.target_hidden_size
-            self._stage = torch.zeros(MAX_PADDED_REQUESTS * self._defer, feats, dtype=target.dtype,
+            self._ctx_stage = torch.zeros(MAX_PADDED_REQUESTS * self._defer, feats, dtype=target.dtype,
                                       device=target.device)
         # slot positions reach max_context + block_size - 1
         self._make_tables(target.max_context + c.block_size)
@@ -203,8 +203,8 @@ class BlockDrafter(Drafter):
                 (later if n <= self._defer else now).append(span)
         if later:
             lo, hi = min(s[2] for s in later), max(s[2] + s[3] for s in later)
-            if hi - lo <= self._stage.shape[0]:
-                self._stage[: hi - lo].copy_(hidden[lo:hi])
+            if hi - lo <= self._ctx_stage.shape[0]:
+                self._ctx_stage[: hi - lo].copy_(hidden[lo:hi])
                 # slots fixed now: a pending write lands where the request's pages were when staged
                 self._pending.update((r, (start, row - lo, self.kv.slots(r, start, start + n)))
                                      for r, start, row, n in later)
@@ -227,7 +227,7 @@ class BlockDrafter(Drafter):
             pos += range(start, start + len(where))
         self._pending.clear()
         if rows:
-            self._write(self._stage, rows, slots, pos)
+            self._write(self._ctx_stage, rows, slots, pos)
 
     def _write(self, hidden: torch.Tensor, rows: list[int], slots: list[int], pos: list[int]) -> None:
         """Write the context K/V of ``hidden[rows]`` at cache ``slots`` (positions ``pos``), eagerly."""
@@ -345,7 +345,7 @@ class BlockDrafter(Drafter):
         if host.dtype != torch.long:
             return host.pin_memory().to(dev, non_blocking=True)
         n = host.numel()
-        stage, done = self.__dict__.get("_stage", (None, None))
+        stage, done = self.__dict__.get("_host_stage", (None, None))
         if stage is None or stage.numel() < n:
             stage, done = torch.empty(max(2 * n, 4096), dtype=torch.long, pin_memory=True), None
         if done is not None:
@@ -355,7 +355,7 @@ class BlockDrafter(Drafter):
         out = buf.to(dev, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        self.__dict__["_stage"] = (stage, done)
+        self.__dict__["_host_stage"] = (stage, done)
         return out
 
     def _draft(self, packed: torch.Tensor, cols: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -373,7 +373,7 @@ class BlockDrafter(Drafter):
         pages = packed[:, 2 * B + 1 + 3 * D:]
         if D:  # the context positions staged since the last propose, before anything reads them
             w = packed[:, 2 * B + 1:2 * B + 1 + 3 * D]
-            self._write_context(self._stage[w[:, :D].flatten()], w[:, 2 * D:].flatten(), w[:, D:2 * D].flatten())
+            self._write_context(self._ctx_stage[w[:, :D].flatten()], w[:, 2 * D:].flatten(), w[:, D:2 * D].flatten())
         slots = (pages[:, :, None] * tpb + self._iota[:tpb]).flatten(1)[:, :cols]  # [rows, cols]
         valid = self._iota[:cols] < lens  # [rows, cols]; keys past a context are read, then masked out
         ctx_kv = [(self.kv.k(i)[slots], None if self.kv.v(i) is None else self.kv.v(i)[slots])
