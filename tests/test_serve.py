@@ -6,6 +6,7 @@ real SmolLM2 for text (chat, stop strings, streamed text)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import socket
 import threading
@@ -244,6 +245,105 @@ def test_clients_leaving_mid_stream_leak_no_page_and_disturb_no_one(long_tiny):
         assert 'specdec_requests_total{finish_reason="abort"} 8.0' in metrics, [
             ln for ln in metrics.splitlines() if ln.startswith("specdec_requests_total")]
         assert "specdec_kv_pages_in_use 0.0" in metrics
+
+
+def test_200_concurrent_requests_with_random_disconnects_leak_nothing_and_equal_solo_runs(long_tiny):
+    """200 requests at once (more than the running slots), a seeded random half of them leaving: streams
+    closed after 0-4 chunks, whole answers given up after 0-300 ms (some before admission). After them
+    no KV page is held, no handler logged an error, and every greedy answer that completed is its prompt's
+    solo run."""
+    import asyncio
+
+    n, max_tokens = 200, 16
+    rng = random.Random(2024)
+    ps = prompts(n, seed=11)
+    with SpecEngine(long_tiny) as ref:  # solo runs, plain decoding
+        want = [ref.generate([p], max_new_tokens=max_tokens)[0].token_ids for p in ps]
+    plans = [rng.choice(("whole", "stream", "close", "give_up")) for _ in range(n)]
+    # a quarter of those giving up leave within 2 ms: while their request is still being sent or admitted
+    leave = [rng.uniform(0, rng.choice((0.002, 0.3, 0.3, 0.3))) if p == "give_up" else rng.randrange(5)
+             for p in plans]
+    engine = SpecEngine(long_tiny, make_drafter("suffix"), max_num_seqs=16)
+    free = engine.manager.num_free_pages
+    with _server_errors() as errors, serving(engine, max_waiting=n, disconnect_poll_s=0.05) as sync_client:
+        async def main():
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 8), timeout=60) as http:
+                client = openai.AsyncOpenAI(base_url=sync_client.url + "/v1", api_key="unused", max_retries=0,
+                                            http_client=http)
+                return await asyncio.wait_for(asyncio.gather(*(
+                    _client(client, plans[i], ps[i], leave[i], max_tokens) for i in range(n))), 50)
+
+        t0 = time.monotonic()
+        got = asyncio.run(main())
+        elapsed = time.monotonic() - t0
+        wait_idle(engine, free)  # every request ended or was aborted, and its pages were freed
+        done = [i for i in range(n) if plans[i] in ("whole", "stream")]
+        assert len(done) > 60 and sum(p == "close" for p in plans) > 30 and sum(p == "give_up" for p in plans) > 30
+        assert [got[i] for i in done] == [want[i] for i in done]
+        metrics = httpx.get(sync_client.url + "/metrics").text
+        assert "specdec_kv_pages_in_use 0.0" in metrics and "specdec_requests_running 0.0" in metrics
+        ended = {ln.split()[0].split('"')[1]: float(ln.split()[1]) for ln in metrics.splitlines()
+                 if ln.startswith("specdec_requests_total{")}
+        # every leaver that was admitted was aborted (none can run its 4,000 tokens before it leaves)
+        assert ended.get("length", 0) + ended.get("eos", 0) == len(done), ended
+        assert 0 < ended.get("abort", 0) <= n - len(done), ended
+        assert not engine.drafter._requests  # the drafter let go of every request too
+    assert not errors, [r.getMessage() for r in errors]  # a client that leaves is no server error
+    assert elapsed < 45, elapsed
+
+
+def test_a_client_leaving_while_it_sends_its_body_is_no_server_error(tiny_server):
+    client, engine = tiny_server
+    port = int(client.url.rsplit(":", 1)[1])
+    with _server_errors() as errors:
+        for _ in range(3):  # headers and half the body, then the connection closes
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\": \"tiny\", ")
+                time.sleep(0.1)  # the handler is reading the body when the client leaves
+        time.sleep(0.3)
+        assert client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, temperature=0).choices
+    assert not errors, [r.getMessage() for r in errors]
+
+
+async def _client(client, plan: str, prompt: list[int], leave, max_tokens: int):
+    """One client of the test above. ``plan``: "whole" or "stream" run to the end (greedy, ``max_tokens``) and
+    return the token ids; "close" reads a long stream until ``leave`` tokens came and closes it; "give_up" waits
+    ``leave`` seconds for a long whole answer and leaves."""
+    import asyncio
+
+    kw = dict(model="tiny", prompt=prompt, temperature=0, max_tokens=max_tokens)
+    if plan in ("close", "give_up"):  # long enough to be still running when they leave
+        kw.update(max_tokens=4000, extra_body={"ignore_eos": True})
+    if plan == "whole":
+        return tuple((await client.completions.create(**kw)).choices[0].token_ids)
+    if plan == "give_up":
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(client.completions.create(**kw), leave)
+        return None
+    stream = await client.completions.create(stream=True, **kw)
+    ids = []
+    async for c in stream:
+        if plan == "close" and len(ids) >= leave:
+            break
+        ids += c.choices[0].token_ids
+    await stream.close()
+    return tuple(ids) if plan == "stream" else None
+
+
+@contextlib.contextmanager
+def _server_errors():
+    """Yield a list that collects the records logged at ERROR or above by uvicorn (an exception
+    raised by a handler) while the block runs."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_shutdown_aborts_running_requests_within_the_bound(long_tiny):
