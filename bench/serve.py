@@ -6,7 +6,7 @@ On the H200 (CUDA, bf16), with Spec-Bench's ``data/spec_bench/question.jsonl``:
         --questions question.jsonl --drafters null,suffix,dspark --concurrency 1,8,32,64 --rates 2,8 \\
         --max-requests 80 --max-tokens 256 --max-num-seqs 64 --out bench/results/serve_gpu
 
-CPU smoke run (a minute or two):
+CPU smoke run (about two minutes per drafter on two cores: many Spec-Bench prompts are long):
 
     python bench/serve.py --questions question.jsonl --drafters null,suffix --concurrency 1,2 --rates 2 \\
         --max-requests 8 --max-tokens 16 --out /tmp/serve_smoke

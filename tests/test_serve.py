@@ -126,6 +126,7 @@ def test_seeded_sampling_repeats_and_models_health_metrics(tiny_server):
     text = httpx.get(client.url + "/metrics").text
     for name in ("specdec_draft_tokens_total", "specdec_accepted_tokens_total", "specdec_step_seconds_count",
                  "specdec_batch_size_bucket", "specdec_requests_waiting", "specdec_kv_pages_in_use", "specdec_drafter_index_tokens",
+                 "specdec_drafter_index_rebuilds",
                  'specdec_accepted_tokens_per_position_total{position="1"}', 'specdec_step_phase_seconds_total'):
         assert name in text, name
     value = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
