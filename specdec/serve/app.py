@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdec.serve.config import ServeConfig
 from specdec.serve.driver import EngineDriver, Handle
@@ -90,6 +91,8 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     async def _serve(request: Request, kind: str):
         try:
             body = await request.json()
+        except ClientDisconnect:  # the client left while sending its request: nothing was admitted
+            return Response(status_code=499)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
         job = parse_job(body, kind, config.model_name)

@@ -53,6 +53,8 @@ class ServeMetrics:
         self.drafter_index = Gauge("specdec_drafter_index_tokens",
                                    "Tokens a drafter's shared index holds (the suffix drafter's global automaton, "
                                    "bounded by its global_budget_tokens)", registry=r)
+        self.drafter_rebuilds = Gauge("specdec_drafter_index_rebuilds",
+                                      "Times that index was rebuilt to stay within its budget", registry=r)
         self._timings = {p: 0.0 for p in _PHASES}
 
     def step(self, seconds: float, batch_size: int) -> None:
@@ -74,6 +76,7 @@ class ServeMetrics:
         m = self.engine.manager
         self.pages_used.set(m.num_pages - m.num_free_pages)
         self.drafter_index.set(getattr(self.engine.drafter, "global_tokens", 0))
+        self.drafter_rebuilds.set(getattr(self.engine.drafter, "global_rebuilds", 0))
 
     def request_end(self, out: GenerationOutput) -> None:
         """Count an ended request's tokens and speculation."""
