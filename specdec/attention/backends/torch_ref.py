@@ -1,10 +1,12 @@
-"""Torch reference backend: every shape, every phase, on any device.
+"""Torch reference backend: every unsharded shape, every phase, on any device.
 
 It gathers each request's context from the pages into a padded batch and calls
 ``scaled_dot_product_attention`` with an explicit causal mask over absolute
 positions, so context, single-token decode, multi-token verify and mixed
 batches are one code path. Slow but obviously right; other backends are
-tested against it.
+tested against it. Under Helix (``helix_cp > 1``) a rank's pages hold only its share
+of the context, so attention over them alone is not the answer: those shapes go
+to ``helix_ref``, which merges the ranks' partials.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
-from specdec.attention.shapes import YES, AttnShape, Verdict
+from specdec.attention.shapes import YES, AttnShape, Verdict, no
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,9 @@ class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
     def supports(self, shape: AttnShape) -> Verdict:
+        if shape.helix_cp != 1:
+            return no(f"reads only the pages it is given, with no merge across ranks: helix_cp must be 1, "
+                      f"got {shape.helix_cp} (Helix: helix_ref)")
         return YES
 
     def cost(self, shape: AttnShape) -> float:
