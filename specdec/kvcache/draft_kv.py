@@ -20,10 +20,14 @@ class DraftKV:
         layer_ids: indices of the drafter's layers in ``pool``.
         manager: the page manager of ``pool``.
         shared: the manager is the target's (lengths follow the target's requests).
+        shard: under Helix, when the layers share the target's sharded pool, this rank's
+            :class:`~specdec.parallel.helix.HelixShard`: pages then hold only the positions
+            this rank owns and ``slots`` is ``-1`` for the others. ``None``: whole context.
     """
 
-    def __init__(self, pool: KVPool, layer_ids, manager: KVCacheManager, shared: bool):
+    def __init__(self, pool: KVPool, layer_ids, manager: KVCacheManager, shared: bool, shard=None):
         self.pool, self.layer_ids, self.manager, self.shared = pool, list(layer_ids), manager, shared
+        self.shard = shard
 
     @property
     def tokens_per_block(self) -> int:

@@ -88,6 +88,17 @@ class HelixLayout:
         owned_full = max(0, -(-(full - rank) // self.cp))  # pages p < full with p % cp == rank
         return owned_full * self.tokens_per_block + (rem if full % self.cp == rank else 0)
 
+    def owned_runs(self, start: int, stop: int, rank: int) -> list[tuple[int, int]]:
+        """The positions of ``[start, stop)`` that ``rank`` owns, as contiguous ``(begin, end)`` runs."""
+        self._check_rank(rank)
+        tpb, runs = self.tokens_per_block, []
+        page = start // tpb
+        while page * tpb < stop:
+            if page % self.cp == rank:
+                runs.append((max(start, page * tpb), min(stop, (page + 1) * tpb)))
+            page += 1
+        return runs
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.cp:
             raise InvalidRequestError(f"rank must be in [0, {self.cp}), got {rank}")
@@ -252,9 +263,27 @@ def mla_attention_lse(
         log-sum-exp of the scaled scores. A row that
         sees nothing has ``out = 0`` and ``lse = -inf``.
     """
+    return latent_attention_lse(q, kv, kv_pos[:, None, :] <= q_pos[:, :, None], scale, v_head_dim)
+
+
+def latent_attention_lse(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, scale: float, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mla_attention_lse` with an explicit mask instead of positions.
+
+    Args:
+        q: ``[B, Q, H, D]``.
+        kv: ``[B, S, D]`` (K is the whole row, V its first ``v_head_dim`` values).
+        visible: ``[B, Q, S]`` or broadcastable (e.g. ``[B, 1, S]``), True = attend.
+        scale: softmax scale.
+        v_head_dim: output width.
+
+    Returns:
+        ``(out, lse)``, ``[B, Q, H, v_head_dim]`` and ``[B, Q, H]`` fp32; ``0`` and ``-inf``
+        for a query that sees nothing.
+    """
     scores = torch.einsum("bqhd,bsd->bhqs", q.float(), kv.float()) * scale  # [B, H, Q, S]
-    visible = (kv_pos[:, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Q, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, Q]
     # exp(-inf - 0) = 0 for rows that see nothing, instead of exp(-inf + inf) = nan.
     p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])  # [B, H, Q, S]

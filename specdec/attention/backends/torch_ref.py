@@ -80,6 +80,16 @@ class TorchRefBackend(AttentionBackend):
         k, v = k.to(q.dtype), v.to(q.dtype)
         if kv_scale != 1.0:  # dequantise an FP8 cache (per-tensor scale)
             k, v = k * kv_scale, v * kv_scale
+        if k.shape[2] == 1 and num_heads > 1:
+            # One KV head (MLA's latent): fold the heads into the query rows instead of letting
+            # enable_gqa copy K and V once per head. The same attention, row by row.
+            B, max_q = q_pad.shape[:2]
+            mask = None if plan.mask is None else plan.mask.expand(B, 1, max_q, -1).repeat_interleave(num_heads, 2)
+            out = F.scaled_dot_product_attention(
+                q_pad.reshape(B, 1, max_q * num_heads, -1), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, scale=scale,
+            )  # [B, 1, max_q * H, Dv], rows in (query, head) order
+            return out.reshape(-1, num_heads, v_head_dim)[plan.out_index]
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             k.transpose(1, 2),
