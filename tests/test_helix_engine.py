@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specdec import SpecEngine
+from specdec import SamplingParams, SpecEngine
 from specdec.drafters import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSparkDrafter, SuffixAutomatonDrafter
 from specdec.drafters.block import init_weights
 from specdec.errors import ConfigError, HelixConfigError
@@ -107,8 +109,6 @@ def _equal_worker(rank: int, world: int, store: str, heads: int, runs, want) -> 
     _init(rank, world, store)
     try:
         target = make_target(heads)
-        from specdec import SamplingParams
-
         for kind, batch in runs:
             with engine(target, make_drafter(kind), world, batch) as e:
                 layout = e.kv_layout
@@ -214,3 +214,46 @@ def test_helix_config_errors(tiny, tmp_path):
             SpecEngine(mla, helix_cp=3)
     finally:
         dist.destroy_process_group()
+
+
+# -- the rank's page manager ----------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(cp=st.integers(2, 4), tpb=st.sampled_from([1, 4, 16]), pages=st.integers(1, 12),
+       ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["grow", "truncate", "free"]), st.integers(0, 40)),
+                    max_size=30))
+def test_page_manager_ranks_decide_room_alike(cp, tpb, pages, ops):
+    """Driven by the same calls, every rank's manager accepts or refuses together (no collective),
+    holds exactly its share, and rolls back to exactly its share."""
+    from specdec.errors import PoolExhaustedError
+    from specdec.parallel import HelixLayout, HelixShard
+
+    layout = HelixLayout(cp, tpb)
+    ms = [HelixPageManager(HelixShard(layout, r), pages) for r in range(cp)]
+    for req, op, n in ops:
+        if op == "grow":
+            verdicts = []
+            for m in ms:
+                try:
+                    m.append(req, n) if req in m else m.allocate(req, n)
+                    verdicts.append(True)
+                except PoolExhaustedError:
+                    verdicts.append(False)
+            assert len(set(verdicts)) == 1, f"ranks disagree about room: {verdicts}"
+        elif op == "truncate" and req in ms[0]:
+            for m in ms:
+                m.truncate(req, m.length(req) * n // 40)
+        elif op == "free" and req in ms[0]:
+            for m in ms:
+                m.free(req)
+        for m in ms:
+            held = 0
+            for r in range(3):
+                if r in m:
+                    n_tok = m.length(r)
+                    assert m.local_length(r) == layout.local_length(n_tok, m.shard.rank)
+                    slots = m.slots(r, 0, n_tok)
+                    assert [p for p, s in enumerate(slots) if s >= 0] == \
+                        [p for p in range(n_tok) if layout.owner(p)[0] == m.shard.rank]
+                    held += len(m.page_table(r))
+            assert held + m.helix.num_free_pages == pages
+        assert all(m.num_free_pages == ms[0].num_free_pages for m in ms) and ms[0].num_free_pages >= 0
