@@ -108,6 +108,11 @@ class EngineConfig:
         cost_profile: a saved :class:`~specdec.draft_length.CostProfile` (JSON) for
             ``draft_length="confidence"``; ``None`` measures one at the first step that needs it
             and caches it under ``~/.cache/specdec/cost_profiles`` (per target, device, page size).
+        helix_cp: Helix context-parallel ranks (docs/design.md §7); 1 = off. With ``N > 1`` the
+            engine runs on each of ``N`` processes of a ``torch.distributed`` group of ``N`` ranks
+            (``torchrun --nproc-per-node N``; gloo on CPU, NCCL on GPU), each holding the KV pages
+            it owns; the target must be MLA with heads divisible by ``N``. ``num_pages`` and
+            ``kv_cache_bytes`` are then per rank.
     """
 
     max_draft_tokens: int = 8
@@ -126,6 +131,7 @@ class EngineConfig:
     prompt_graphs: bool = True
     draft_length: str = "fixed"
     cost_profile: str | None = None
+    helix_cp: int = 1
 
     def __post_init__(self) -> None:
         if self.draft_length not in DRAFT_LENGTH_RULES:
@@ -162,6 +168,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):
             raise ConfigError(f"overlap_steps must be True, False or None (where it helps), got {self.overlap_steps!r}")
+        if not _is_int(self.helix_cp) or self.helix_cp < 1:
+            raise ConfigError(f"helix_cp must be an integer >= 1 (1 = no Helix), got {self.helix_cp!r}")
         if self.batch_invariant and not self.cuda_graphs:
             raise ConfigError("batch_invariant=True needs cuda_graphs=True (the invariant step is a graph bucket)")
 

@@ -7,6 +7,7 @@ serving stack calls ``add_request`` / ``step`` / ``abort`` itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -27,6 +28,7 @@ from specdec.kvcache.sizing import default_kv_budget
 from specdec.kvcache.draft_kv import DraftKV
 from specdec.graphs import GraphPolicy
 from specdec.model_runner import ModelRunner, StepInput, StepResult
+from specdec.parallel.runtime import helix_shard, local_num_pages, page_manager
 from specdec.scheduler import ScheduledBatch, Scheduler, decide_kv_sharing
 from specdec.sequence import GenerationOutput, Sequence, Status, StepOutput
 from specdec.sampling import RowSampling, request_key
@@ -62,6 +64,8 @@ class SpecEngine:
         VocabMismatchError: the drafter's vocabulary differs from the target's.
         ConfigError / UnsupportedShapeError: a forced attention backend is unknown
             or cannot run this target's shapes.
+        HelixConfigError: ``helix_cp > 1`` with a non-MLA target, heads it does not divide, or
+            no process group of ``helix_cp`` ranks (see :mod:`specdec.parallel.runtime`).
     """
 
     def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None, **overrides):
@@ -75,21 +79,24 @@ class SpecEngine:
                 f"drafter vocab_size must equal the target's ({target.vocab_size}), got {self.drafter.vocab_size}"
             )
         tpb = cfg.tokens_per_block
+        #: this rank's Helix part (docs/design.md §7), ``None`` without Helix (helix_cp == 1)
+        self.helix = helix_shard(cfg.helix_cp, target, tpb)
         draft_specs = tuple(self.drafter.kv_layer_specs())
         self.kv_decision = decide_kv_sharing(draft_specs, self.drafter.reads_managed_ctx_pages,
                                              self.drafter.reads_helix_sharded_ctx_pages, tpb,
-                                             target_accepts_appended_layers=cfg.share_draft_kv is not False)
+                                             target_accepts_appended_layers=cfg.share_draft_kv is not False,
+                                             helix_cp=cfg.helix_cp)
         if cfg.share_draft_kv and draft_specs and not self.kv_decision.shared:
             raise ConfigError(f"share_draft_kv=True but the drafter's layers cannot join the target pool: "
                               f"{self.kv_decision.reason}")
         specs = list(target.layer_specs(cfg.kv_dtype, cfg.kv_scale))
         per_token = sum(s.bytes_per_token for s in specs) + (
             sum(s.bytes_per_token for s in draft_specs) if self.kv_decision.shared else 0)
-        num_pages = cfg.num_pages or self._default_num_pages(per_token)
+        num_pages = local_num_pages(cfg.num_pages or self._default_num_pages(per_token), self.helix)
         self.pool = KVPool(specs, num_pages, tpb, device=target.device)
-        self.manager = KVCacheManager(num_pages, tpb)
+        self.manager = page_manager(num_pages, tpb, self.helix)
         self._scratch_slot = None  # one slot no request owns, for padding tokens' writes (graphs on CUDA)
-        if cfg.cuda_graphs and target.device.type == "cuda":
+        if cfg.cuda_graphs and target.device.type == "cuda" and self.helix is None:
             self.manager.allocate(_SCRATCH, 1)
             self._scratch_slot = self.manager.slots(_SCRATCH, 0, 1)[0]
         self.draft_kv = self._draft_kv(draft_specs)
@@ -126,11 +133,11 @@ class SpecEngine:
 
     def _default_num_pages(self, per_token: int) -> int:
         """Pages for ``kv_cache_bytes``, or by default for ``max_num_seqs`` requests of the whole
-        context (plus the scratch page), within what the device has."""
+        context (plus the scratch page), within what the device has; under Helix a rank's share."""
         cfg, tpb = self.config, self.config.tokens_per_block
         budget = cfg.kv_cache_bytes
-        if budget is None:
-            need = (cfg.max_num_seqs * pages_for(self.target.max_context, tpb) + 1) * tpb * per_token
+        if budget is None:  # under Helix rank 0 holds the most: a context's pages over cp, rounded up
+            need = (cfg.max_num_seqs * pages_for(self.target.max_context, tpb * cfg.helix_cp) + 1) * tpb * per_token
             budget = default_kv_budget(need, self.target.device)
         return num_pages_for_budget(budget, per_token, tpb)
 
@@ -141,21 +148,26 @@ class SpecEngine:
             policy = GraphPolicy(cfg.max_num_seqs, cfg.max_draft_tokens, self.target.max_context, cfg.batch_invariant,
                                  cfg.prompt_graphs)
         # a partial, not a bound method: the runner must not keep the engine alive (a reference cycle)
-        shape_of = functools.partial(_shape_of, self.target, cfg.tokens_per_block, cfg.kv_dtype)
-        return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, shape_of,
-                           self.drafter.target_layer_ids, cfg.attention_backend, scratch)
+        return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, self._shape_of(),
+                           self.drafter.target_layer_ids, cfg.attention_backend, scratch, shard=self.helix)
+
+    def _shape_of(self):
+        """``(phase, max_q_len, mixed) -> AttnShape`` of this target, cache and Helix degree."""
+        cfg = self.config
+        return functools.partial(_shape_of, self.target, cfg.tokens_per_block, cfg.kv_dtype, cfg.helix_cp)
 
     # -- public API ------------------------------------------------------------
     def _draft_kv(self, draft_specs) -> DraftKV | None:
         """Place the drafter's KV layers as the sharing decision says."""
         if not draft_specs:
             return None
-        if self.kv_decision.shared:
+        if self.kv_decision.shared:  # under Helix: sharded like the target's, one page table per request
             return DraftKV(self.pool, self.pool.add_layers(draft_specs), self.manager, shared=True,
-                           scratch_slot=self._scratch_slot)
+                           scratch_slot=self._scratch_slot, shard=self.helix)
         tpb = self.kv_decision.draft_tokens_per_block
-        # as many tokens as the target pool, plus one partly filled page per running request
-        pages = -(-self.pool.capacity_tokens // tpb) + self.config.max_num_seqs
+        # as many tokens as the target's pages hold (all ranks together under Helix: this pool is
+        # unsharded), plus one partly filled page per running request
+        pages = -(-self.manager.num_pages * self.config.tokens_per_block // tpb) + self.config.max_num_seqs
         # one page more than its manager hands out: its first slot takes padding writes
         pool = KVPool(draft_specs, pages + 1, tpb, device=self.target.device)
         return DraftKV(pool, range(len(draft_specs)), KVCacheManager(pages, tpb), shared=False,
@@ -163,16 +175,20 @@ class SpecEngine:
 
     @property
     def kv_layout(self) -> dict:
-        """Which pools exist, which layers each holds, and why (the sharing decision and its reason)."""
-        def describe(name, pool):
+        """Which pools exist, which layers each holds, and why (the sharing decision and its reason).
+
+        ``helix_cp`` is the Helix degree; a pool's ``sharded`` says whether it holds only this
+        rank's pages (its ``num_pages`` are then this rank's)."""
+        def describe(name, pool, sharded):
             return {"name": name, "tokens_per_block": pool.tokens_per_block, "num_pages": pool.num_pages,
                     "target_layers": pool.layer_ids("target"), "draft_layers": pool.layer_ids("draft"),
-                    "bytes_per_token": pool.bytes_per_token}
+                    "bytes_per_token": pool.bytes_per_token, "sharded": sharded}
 
-        pools = [describe("target", self.pool)]
+        pools = [describe("target", self.pool, self.helix is not None)]
         if self.draft_kv is not None and not self.draft_kv.shared:
-            pools.append(describe("draft", self.draft_kv.pool))
-        return {"pools": pools, "shared": self.kv_decision.shared, "reason": self.kv_decision.reason}
+            pools.append(describe("draft", self.draft_kv.pool, False))
+        return {"pools": pools, "shared": self.kv_decision.shared, "reason": self.kv_decision.reason,
+                "helix_cp": self.config.helix_cp}
 
     @property
     def graph_stats(self) -> dict:
@@ -795,13 +811,14 @@ class SpecEngine:
         from specdec.attention.selector import select
 
         get_backend(name)
+        shape_of = self._shape_of()
         for phase, q in (("context", 1), ("generation", 1), ("generation", 1 + self.config.max_draft_tokens)):
-            shape = self.target.attn_shape(phase, q, self.config.tokens_per_block, kv_dtype=self.config.kv_dtype)
-            select(shape, requested=name)
+            select(shape_of(phase, q), requested=name)
 
 
-def _shape_of(target, tokens_per_block: int, kv_dtype, phase: str, max_q: int, mixed: bool = False):
-    return target.attn_shape(phase, max_q, tokens_per_block, mixed, kv_dtype=kv_dtype)
+def _shape_of(target, tokens_per_block: int, kv_dtype, helix_cp: int, phase: str, max_q: int, mixed: bool = False):
+    shape = target.attn_shape(phase, max_q, tokens_per_block, mixed, kv_dtype=kv_dtype)
+    return shape if helix_cp == 1 else dataclasses.replace(shape, helix_cp=helix_cp)
 
 
 def _token_id(t) -> int | None:

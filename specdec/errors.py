@@ -51,6 +51,11 @@ class MissingHookError(ConfigError):
     """A drafter does not declare a hook the scheduler needs."""
 
 
+class HelixConfigError(ConfigError):
+    """A Helix setup that cannot run: ``helix_cp`` with a non-MLA target, heads it does not
+    divide, or no process group of ``helix_cp`` ranks (docs/design.md §7)."""
+
+
 class PoolExhaustedError(SpecDecError, RuntimeError):
     """The KV pool has no free page; the scheduler queues or preempts, never overwrites."""
 

@@ -108,15 +108,20 @@ class ModelRunner:
         hidden_layer_ids: target layers the drafter reads.
         requested_backend: attention backend the user forced, or ``None``.
         scratch_slot: a cache slot no request owns, for the writes of padding tokens.
+        shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard` (page tables
+            are rank-local, slots ``-1`` where another rank owns the position); steps then run
+            eagerly (attention exchanges partials between ranks). ``None``: no Helix.
     """
 
     def __init__(self, target, pool, policy: GraphPolicy | None, tokens_per_block: int, shape_of,
-                 hidden_layer_ids=(), requested_backend: str | None = None, scratch_slot: int | None = None):
+                 hidden_layer_ids=(), requested_backend: str | None = None, scratch_slot: int | None = None,
+                 shard=None):
         self.target, self.pool, self.policy, self.tpb = target, pool, policy, tokens_per_block
         self.shape_of = shape_of
         self.hidden_layer_ids = tuple(hidden_layer_ids)
         self.requested = requested_backend
         self.scratch_slot = scratch_slot
+        self.shard = shard
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool = None
         # set by an engine that launches a step before finishing the one before it (overlap_steps):
@@ -131,7 +136,9 @@ class ModelRunner:
         self.stats = {"graph_steps": 0, "eager_steps": 0, "graphs_captured": 0, "capture_s": 0.0,
                       "eager_reasons": Counter(), "backends": Counter(), "launch_s": 0.0, "wait_s": 0.0,
                       "chained_steps": 0}
-        if policy is None:
+        if shard is not None:
+            self._no_graph = "Helix context parallelism runs eagerly"
+        elif policy is None:
             self._no_graph = "cuda_graphs disabled"
         elif target.device.type != "cuda":
             self._no_graph = f"device is {target.device.type}, graphs need cuda"
@@ -282,7 +289,8 @@ class ModelRunner:
     def _eager(self, step: StepInput, ids_from: torch.Tensor | None = None) -> StepResult:
         dev = self.target.device
         slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
-        attn = plan_step(step.context, step.generation, slot_mapping, self.shape_of, self.tpb, self.requested)
+        attn = plan_step(step.context, step.generation, slot_mapping, self.shape_of, self.tpb, self.requested,
+                         self.shard)
         if ids_from is not None:
             ids = ids_from[: len(step.input_ids)].to(device=dev, dtype=torch.long)
         else:

@@ -29,7 +29,8 @@ class KVLayoutDecision:
         shared: the drafter's layers are appended to the target's pool.
         reason: the rule of docs/design.md §3 that decided.
         draft_tokens_per_block: page size of a separate draft pool (``None`` when shared or no layers).
-        sharded: a separate pool is Helix-sharded like the target (False: unsharded).
+        sharded: the drafter's layers are Helix-sharded like the target's (appended to its pool
+            under Helix); False: they hold the whole context.
     """
 
     shared: bool
@@ -86,7 +87,9 @@ def decide_kv_sharing(
     if helix_cp > 1 and any(s.has_v for s in draft_specs):
         return own_pool(f"under Helix (cp={helix_cp}) only K-only draft layers may be appended; "
                         "the drafter has K/V layers: separate pool", sharded=False)
-    return KVLayoutDecision(True, f"draft layers appended to the target pool ({target_tokens_per_block}-token pages)")
+    sharded = f", sharded across the {helix_cp} Helix ranks like the target's" if helix_cp > 1 else ""
+    return KVLayoutDecision(True, f"draft layers appended to the target pool ({target_tokens_per_block}-token pages"
+                                  f"{sharded})", sharded=helix_cp > 1)
 
 
 @dataclass(slots=True)

@@ -68,7 +68,7 @@ def test_hooks_declare_k_only_latent_layers_and_the_page_sizes_read():
     specs = d.kv_layer_specs()
     assert len(specs) == 2 and all(s.kind == "mla" and s.num_kv_heads == 1 and not s.has_v for s in specs)
     assert all(s.head_dim == 24 + 8 and s.owner == "draft" and s.bytes_per_token == 32 * 4 for s in specs)
-    assert d.shift_label == 1 and d.config.draft_width == 4 and not d.reads_helix_sharded_ctx_pages
+    assert d.shift_label == 1 and d.config.draft_width == 4 and d.reads_helix_sharded_ctx_pages
     assert all(d.reads_managed_ctx_pages(p) for p in LATENT_PAGE_SIZES)
     narrow = random_drafter(ctx_page_sizes=(16, 32))
     assert [p for p in (1, 2, 4, 8, 16, 32, 64, 128, 256, 3, 48) if narrow.reads_managed_ctx_pages(p)] == [16, 32]

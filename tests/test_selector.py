@@ -119,6 +119,7 @@ class TieB(TieA):
 
 FAKES = [NoMidHeads(), Page32Only(), DecodeOnlyCheap(), CudaMlaNoHelix(), HelixAny(), TieA(), TieB()]
 REF = get_backend("torch_ref")
+HELIX_REF = get_backend("helix_ref")
 
 
 def all_backends():
@@ -201,12 +202,63 @@ def test_auto_picks_the_cheapest_supporting_backend(shape, pool):
     assert select(shape, backends=list(reversed(pool))) is chosen
 
 
+def servable(shape: AttnShape) -> bool:
+    """Shapes the reference backends run: every unsharded shape (torch_ref), and Helix MLA whose
+    heads split evenly across the ranks (helix_ref)."""
+    return shape.helix_cp == 1 or (shape.kind == "mla" and shape.num_heads % shape.helix_cp == 0
+                                   and shape.v_head_dim <= shape.head_dim)
+
+
 @SETTINGS
 @given(shape=attn_shapes())
-def test_auto_with_the_reference_always_finds_one(shape):
-    chosen = select(shape, backends=all_backends())
-    assert chosen.supports(shape).ok
-    assert select(shape).supports(shape).ok  # the global registry (torch_ref supports everything)
+def test_auto_with_the_references_always_finds_one(shape):
+    if any(b.supports(shape).ok for b in all_backends()):
+        assert select(shape, backends=all_backends()).supports(shape).ok
+    if servable(shape):
+        chosen = select(shape)  # the global registry
+        assert chosen.supports(shape).ok
+        assert chosen is (HELIX_REF if shape.helix_cp > 1 else REF) or chosen.cost(shape) < 100
+    else:  # GQA under Helix, or heads that do not split across the ranks: refused with both reasons
+        with pytest.raises(UnsupportedShapeError) as err:
+            select(shape)
+        assert REF.supports(shape).reason in str(err.value) and HELIX_REF.supports(shape).reason in str(err.value)
+
+
+@st.composite
+def helix_shapes(draw) -> AttnShape:
+    """Helix MLA shapes as Kimi/DeepSeek run them: 16-128 heads per rank (48 and 96 often), decode or
+    verify (1-8 query tokens) or context, pages of 16-128 tokens, mixed batches, any cache dtype."""
+    cp = draw(st.sampled_from([2, 4, 8]))
+    h = draw(st.one_of(st.sampled_from([16, 32, 48, 64, 96, 128]), st.integers(16, 128)))
+    phase = draw(st.sampled_from(["generation", "generation", "context"]))
+    device = draw(st.sampled_from(["cpu", "cuda"]))
+    return AttnShape(phase, "mla", h, 1, 576, 512, draw(st.sampled_from([16, 32, 64, 128])),
+                     draw(st.integers(1, 8)) if phase == "generation" else draw(st.integers(1, 4096)),
+                     kv_dtype=draw(st.sampled_from(["bfloat16", "float8_e4m3fn", "float32"])),
+                     q_dtype=draw(st.sampled_from(["bfloat16", "float32"])), device=device,
+                     sm=draw(st.sampled_from([90, 100, 103])) if device == "cuda" else None, helix_cp=cp,
+                     mixed=phase == "generation" and draw(st.booleans()))
+
+
+@SETTINGS
+@given(shape=helix_shapes(), pool=backend_pools)
+def test_helix_shapes_never_go_to_a_backend_that_refuses_them(shape, pool):
+    """The selector never picks a backend outside its supports(), for Helix shapes too; with the
+    registry alone an evenly split Helix shape goes to helix_ref, never to torch_ref."""
+    supporting = [b for b in pool if b.supports(shape).ok]
+    if supporting:
+        chosen = select(shape, backends=pool)
+        assert chosen.supports(shape).ok and chosen.cost(shape) == min(b.cost(shape) for b in supporting)
+    else:
+        with pytest.raises(UnsupportedShapeError):
+            select(shape, backends=pool)
+    assert not REF.supports(shape).ok and "helix_cp must be 1" in REF.supports(shape).reason
+    if shape.num_heads % shape.helix_cp == 0:
+        assert select(shape) is HELIX_REF
+    else:
+        assert "divisible by helix_cp" in HELIX_REF.supports(shape).reason
+        with pytest.raises(UnsupportedShapeError, match="divisible by helix_cp"):
+            select(shape)
 
 
 @SETTINGS
@@ -302,16 +354,69 @@ def test_h48_helix_on_64_token_pages_avoids_the_page32_only_backend(max_q_len, m
     """Reference 003: Helix MLA, 48 heads, 64-token pages fell to a fallback with no page-64 kernel."""
     shape = mla("generation", 48, max_q_len, tokens_per_block=64, helix_cp=4, mixed=mixed, kv_dtype="float8_e4m3fn")
     fallback, cute, cuda_mla = Page32Only(), HelixAny(), CudaMlaNoHelix()
-    pool = [fallback, cuda_mla, cute, REF]
+    pool = [fallback, cuda_mla, cute, REF, HELIX_REF]
     assert select(shape, backends=pool) is cute
-    assert select(shape, backends=[fallback, REF]) is REF
+    # Without the correctness-first kernel the Helix reference runs it, never the page-32 fallback,
+    # and never torch_ref (it would attend this rank's pages only).
+    assert select(shape, backends=[fallback, REF, HELIX_REF]) is HELIX_REF
+    assert select(shape) is HELIX_REF
     with pytest.raises(UnsupportedShapeError, match=r"fake_page32_only.*tokens_per_block=64"):
         select(shape, requested="fake_page32_only", backends=pool)
     with pytest.raises(UnsupportedShapeError, match=r"fake_cuda_mla.*Helix"):
         select(shape, requested="fake_cuda_mla", backends=pool)
+    with pytest.raises(UnsupportedShapeError, match=r"'torch_ref'.*helix_cp must be 1"):
+        select(shape, requested="torch_ref", backends=pool)
+    with pytest.raises(UnsupportedShapeError, match=r"fake_page32_only.*tokens_per_block=64"):
+        select(shape, backends=[fallback, REF])  # nothing left that runs it: refused, not downgraded
     # Control: on 32-token pages the cheap fallback is legal and chosen.
     ok = mla("generation", 48, max_q_len, tokens_per_block=32, helix_cp=4, mixed=mixed)
     assert select(ok, backends=pool) is fallback
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mixed", [False, True], ids=["generation_only", "mixed"])
+@pytest.mark.parametrize("max_q_len", [4, 1], ids=["verify", "decode"])
+def test_h96_helix_verify_group_avoids_the_backend_that_rejects_mid_heads(max_q_len, mixed, cp):
+    """Reference 000/001 under Helix: 96 heads per rank, a verify group (1 + k rows per request)."""
+    shape = mla("generation", 96, max_q_len, mixed=mixed, helix_cp=cp)
+    mid = NoMidHeads()
+    assert select(shape, backends=[mid, REF, HELIX_REF]) is HELIX_REF
+    assert select(shape) is HELIX_REF
+    with pytest.raises(UnsupportedShapeError, match=r"fake_no_mid_heads.*num_heads must not be in \(64, 128\)"):
+        select(shape, requested="fake_no_mid_heads", backends=[mid, HELIX_REF])
+    # Control: at 128 heads the fast kernel is legal and still chosen.
+    assert select(mla("generation", 128, max_q_len, mixed=mixed, helix_cp=cp), backends=[mid, HELIX_REF]) is mid
+
+
+def test_helix_mixed_step_plans_generation_rows_past_the_context_rows():
+    """Reference 003: in a mixed Helix batch the generation phase's rows start after the context
+    rows; each phase is planned on its own, with its own rows, positions and rank-local pages."""
+    from specdec.parallel import HelixKVManager, HelixLayout, HelixShard
+
+    layout = HelixLayout(2, 4)
+    shard = HelixShard(layout, 1)
+    m = HelixKVManager(layout, 1, 16)
+    m.allocate("ctx", 11)  # prompt of 11: rank 1 owns positions 4-7
+    m.allocate("gen", 14)  # 10 cached + a verify of 4 rows: positions 10..13, rank 1 owns 12, 13
+
+    def shape_of(phase, q, mixed):
+        return AttnShape(phase, "mla", 48, 1, 40, 32, 4, q, helix_cp=2, mixed=mixed)
+
+    slots = [-1] * 4 + [m.slot("ctx", p) for p in range(4, 8)] + [-1] * 3 + [-1, -1] + [m.slot("gen", p) for p in (12, 13)]
+    attn = plan_step([(11, 11, tuple(m.page_table("ctx")))], [(4, 14, tuple(m.page_table("gen")))],
+                     torch.tensor(slots), shape_of, 4, shard=shard)
+    assert attn.backends == {"context": "helix_ref", "generation": "helix_ref"}
+    ctx, gen = attn.phases
+    assert (ctx.start, ctx.stop, gen.start, gen.stop) == (0, 11, 11, 15) and gen.shape.mixed
+    assert attn.write_rows.tolist() == [4, 5, 6, 7, 13, 14]  # the rows rank 1 owns, nothing else
+    g = gen.plan.plan  # relative to the generation slice: rows 0..3 at positions 10..13
+    assert g.num_tokens == 4 and g.q_index.tolist() == [[0, 1, 2, 3]] and g.q_pos.tolist() == [[10, 11, 12, 13]]
+    assert g.kv_pos[0, :6].tolist() == [4, 5, 6, 7, 12, 13]
+    pages = m.page_table("gen")
+    assert g.gather[0, :6].tolist() == [pages[0] * 4 + i for i in range(4)] + [pages[1] * 4, pages[1] * 4 + 1]
+    with pytest.raises(UnsupportedShapeError, match="helix_cp must be 1"):
+        plan_step([], [(4, 14, tuple(m.page_table("gen")))], torch.tensor(slots[11:]), shape_of, 4,
+                  requested="torch_ref", shard=shard)
 
 
 def test_no_backend_supports_names_every_reason():

@@ -35,10 +35,13 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: cache slot of each token of the step. ``[num_tokens]``
         phases: context phase (if any) then generation phase (if any).
+        write_rows: under Helix, the rows of the step whose K/V this rank owns and stores
+            (``slot_mapping`` is negative elsewhere). ``[num_owned]``; ``None``: every row.
     """
 
     slot_mapping: torch.Tensor
     phases: tuple[PhasePlan, ...]
+    write_rows: torch.Tensor | None = None
 
     @property
     def backends(self) -> dict[str, str]:
@@ -68,9 +71,13 @@ class AttentionMetadata:
         """
         if k is not None:
             k, v = prepare_kv(k, v, k_cache.dtype, kv_scale)
-            _write(k_cache, self.slot_mapping, k)
+            slots = self.slot_mapping
+            if self.write_rows is not None:  # Helix: only the positions this rank owns
+                slots, k = slots[self.write_rows], k[self.write_rows]
+                v = None if v is None else v[self.write_rows]
+            _write(k_cache, slots, k)
             if v_cache is not None:
-                _write(v_cache, self.slot_mapping, v)
+                _write(v_cache, slots, v)
         if q.dtype == E4M3 or q_scale is not None:
             q = prepare_q(q, q_scale, compute_dtype or (torch.bfloat16 if q.dtype == E4M3 else q.dtype))
         extra = {"kv_scale": kv_scale} if kv_scale != 1.0 else {}
@@ -97,6 +104,7 @@ def plan_step(
     shape_of,
     tokens_per_block: int,
     requested: str | None = None,
+    shard=None,
 ) -> AttentionMetadata:
     """Plan a step's attention.
 
@@ -107,6 +115,9 @@ def plan_step(
         shape_of: ``(phase, max_q_len, mixed) -> AttnShape`` for this model and cache.
         tokens_per_block: page size.
         requested: a backend name the user forced, or ``None``.
+        shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard`: page tables
+            are rank-local and ``slot_mapping`` is negative for positions another rank owns
+            (this rank writes only its own). ``None``: unsharded.
 
     Raises:
         UnsupportedShapeError: the requested backend cannot run a phase.
@@ -118,8 +129,10 @@ def plan_step(
         q_lens = tuple(s[0] for s in seqs)
         shape = shape_of(phase, max(q_lens), mixed and phase == "generation")
         backend = select(shape, requested)
-        batch = PhaseBatch(q_lens, tuple(s[1] for s in seqs), tuple(s[2] for s in seqs), tokens_per_block, slot_mapping.device)
+        batch = PhaseBatch(q_lens, tuple(s[1] for s in seqs), tuple(s[2] for s in seqs), tokens_per_block,
+                           slot_mapping.device, shard)
         stop = start + batch.num_tokens
         phases.append(PhasePlan(shape, start, stop, backend, backend.plan(batch)))
         start = stop
-    return AttentionMetadata(slot_mapping, tuple(phases))
+    write_rows = None if shard is None else torch.nonzero(slot_mapping >= 0).flatten()  # [num_owned]
+    return AttentionMetadata(slot_mapping, tuple(phases), write_rows)

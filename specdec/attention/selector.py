@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from specdec.attention.backends.base import AttentionBackend
+from specdec.attention.backends.helix_ref import HelixRefBackend
 from specdec.attention.backends.torch_ref import TorchRefBackend
 from specdec.attention.shapes import AttnShape
 from specdec.errors import ConfigError, UnsupportedShapeError
@@ -78,6 +79,7 @@ def select(
 
 
 register_backend(TorchRefBackend())
+register_backend(HelixRefBackend())
 
 try:  # Triton kernels are optional (pip extra "gpu"); without triton only the reference is registered.
     import triton  # noqa: F401

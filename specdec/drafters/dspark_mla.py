@@ -14,6 +14,13 @@ Its attention reads the latent pages itself (a gather by page table, then
 attention over ``[context ; block]``), which works for every page size the
 engine allows; ``ctx_page_sizes`` narrows that for a kernel that reads fewer,
 and :meth:`reads_managed_ctx_pages` answers from it, nothing else.
+
+Under Helix (docs/design.md §7) it reads a context sharded across the ranks
+(``reads_helix_sharded_ctx_pages``): its layers join the target's sharded pool,
+each rank writes the context positions it owns, and every block attends over
+the rank's shard, producing partial outputs with their log-sum-exp that one
+all-gather per layer merges exactly (:func:`~specdec.parallel.helix.merge_over_ranks`)
+with the block's attention to itself.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters.base import register_drafter
-from specdec.drafters.block import _linear, _Norm, _rms, block_mask, mlp, output_slots, rope_cos_sin, rotate
+from specdec.drafters.block import (_linear, _Norm, _rms, block_mask, draft_from_hidden, mlp, output_slots,
+                                    rope_cos_sin, rotate)
 from specdec.drafters.dflash import BlockDrafter
-from specdec.errors import CheckpointError, ConfigError
+from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
 from specdec.kvcache.pool import LayerSpec
+from specdec.parallel.helix import HelixShard, latent_attention_lse, merge_over_ranks
 
 #: Page sizes the latent gather reads: every size ``EngineConfig.tokens_per_block`` allows.
 LATENT_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -139,14 +148,17 @@ class _MLALayer(nn.Module):
         w = self.self_attn.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-    def attention(self, h: torch.Tensor, rope, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, rope, ctx: torch.Tensor, mask: torch.Tensor,
+                  shard: HelixShard | None = None) -> torch.Tensor:
         """Absorbed MLA of the block over ``[context ; block]`` latents.
 
         Args:
             h: normalised block states ``[N, B, hidden]``.
             rope: ``(cos, sin)``, each ``[N, B, 1, qk_rope_head_dim]``, of the slots' positions.
-            ctx: context latents ``[N or 1, Lc, 1, r + rope]``.
+            ctx: context latents ``[N or 1, Lc, 1, r + rope]`` (under Helix: this rank's shard).
             mask: ``[N, 1, 1, Lc + B]``, True = attend.
+            shard: under Helix, this rank's part: the context is its shard, and the partial
+                attention of every rank is merged with the block's own (one all-gather).
 
         Returns:
             ``[N, B, hidden]``.
@@ -154,14 +166,21 @@ class _MLALayer(nn.Module):
         c = self.c
         N, B, _ = h.shape
         H, nope, r = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        scale = (nope + c.qk_rope_head_dim) ** -0.5
         w_uk, w_uv = self._kv_b()
         q_nope, q_rope = self.self_attn.q_proj(h).view(N, B, H, -1).split([nope, c.qk_rope_head_dim], -1)
         q_lat = torch.einsum("nbhd,hdr->nbhr", q_nope, w_uk)  # [N, B, H, r]
         q = torch.cat([q_lat, rotate(q_rope, *rope)], -1)  # [N, B, H, r + rope]
-        k = torch.cat([ctx.expand(N, -1, -1, -1).to(q.dtype), self.latent(h, rope)], 1)  # [N, Lc + B, 1, r + rope]
-        k = k.transpose(1, 2)  # [N, 1, Lc + B, r + rope]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, k[..., :r], attn_mask=mask,
-                                           scale=(nope + c.qk_rope_head_dim) ** -0.5,
+        ctx, blk = ctx.expand(N, -1, -1, -1).to(q.dtype), self.latent(h, rope)  # [N, Lc, 1, r+rope], [N, B, 1, r+rope]
+        if shard is not None:
+            Lc = ctx.shape[1]
+            part = latent_attention_lse(q, ctx[:, :, 0], mask[:, 0, :, :Lc], scale, r)  # [N, B, H, r], [N, B, H]
+            own = latent_attention_lse(q, blk[:, :, 0], mask[:, 0, :, Lc:], scale, r)  # the block, same on every rank
+            o = merge_over_ranks(*part, shard.group, extra=own).to(q.dtype)  # [N, B, H, r]
+            o = torch.einsum("nbhr,hvr->nbhv", o, w_uv)  # [N, B, H, v]
+            return self.self_attn.o_proj(o.reshape(N, B, H * c.v_head_dim))
+        k = torch.cat([ctx, blk], 1).transpose(1, 2)  # [N, 1, Lc + B, r + rope]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, k[..., :r], attn_mask=mask, scale=scale,
                                            enable_gqa=H > 1)  # [N, H, B, r]
         o = torch.einsum("nhbr,hvr->nbhv", o, w_uv)  # [N, B, H, v]
         return self.self_attn.o_proj(o.reshape(N, B, H * c.v_head_dim))
@@ -217,7 +236,8 @@ class MLABlockDrafterNet(nn.Module):
         rope = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, x.device)
         return self.run_block(x, rope, ctx_kv, block_mask(ctx_valid, x.shape[1]))
 
-    def run_block(self, x: torch.Tensor, rope, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+    def run_block(self, x: torch.Tensor, rope, ctx_kv, mask: torch.Tensor, shard: HelixShard | None = None
+                  ) -> torch.Tensor:
         """:meth:`forward_block` with its RoPE factors and mask already made (see
         :meth:`specdec.drafters.block.BlockDrafterNet.run_block`).
 
@@ -226,10 +246,11 @@ class MLABlockDrafterNet(nn.Module):
             rope: ``(cos, sin)``, each ``[N, B, 1, qk_rope_head_dim]`` fp32.
             ctx_kv: per layer ``(latent, None)``, latent ``[N or 1, Lc, 1, r + rope]``.
             mask: ``[N, 1, 1, Lc + B]`` (:func:`~specdec.drafters.block.block_mask`).
+            shard: under Helix, this rank's part (``ctx_kv`` is then its shard; see :meth:`_MLALayer.attention`).
         """
         c = self.config
         for L, (latent, _) in zip(self.layers, ctx_kv):
-            x = x + L.attention(_rms(x, L.input_layernorm.weight, c.rms_norm_eps), rope, latent, mask)
+            x = x + L.attention(_rms(x, L.input_layernorm.weight, c.rms_norm_eps), rope, latent, mask, shard)
             x = x + mlp(L.mlp, _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps))
         return _rms(x, self.norm.weight, c.rms_norm_eps)
 
@@ -282,8 +303,57 @@ class MLADSparkDrafter(BlockDrafter):
     expected_shift = 1
     shift_label = 1
     net_class = MLABlockDrafterNet
+    #: Its attention merges partials over a context sharded across Helix ranks (see the module doc).
+    reads_helix_sharded_ctx_pages = True
 
     def kv_layer_specs(self) -> tuple[LayerSpec, ...]:
         """One K-only latent layer per drafter layer: one "head" of ``kv_lora_rank + rope`` values, no V."""
         c, dtype = self.config, self.net.fc.weight.dtype
         return tuple(LayerSpec("mla", 1, c.cache_dim, dtype, has_v=False, owner="draft") for _ in range(c.num_layers))
+
+    def bind(self, target, kv) -> None:
+        super().bind(target, kv)
+        if self._shard is not None:  # every propose exchanges partials between ranks: no padded graph buckets
+            self.pad_shapes = False
+
+    @property
+    def _shard(self) -> HelixShard | None:
+        """This rank's Helix part when the context pages are sharded, else ``None``."""
+        return getattr(self.kv, "shard", None)
+
+    @torch.inference_mode()
+    def on_contexts(self, spans, hidden: torch.Tensor) -> None:
+        """As :meth:`BlockDrafter.on_contexts`; under Helix only the positions this rank owns are
+        written (split into the page runs it owns), while the context length stays global."""
+        shard = self._shard
+        if shard is None:
+            return super().on_contexts(spans, hidden)
+        owned, ends = [], {}
+        for req_id, start, row, n in spans:
+            if req_id not in self._tokens:
+                raise InvalidRequestError(f"unknown request {req_id!r}")
+            ends[req_id] = start + n
+            owned += [(req_id, a, row + a - start, b - a) for a, b in shard.layout.owned_runs(start, start + n,
+                                                                                             shard.rank)]
+        if owned:
+            super().on_contexts(owned, hidden)
+        self._ctx_len.update(ends)
+
+    def _draft(self, packed: torch.Tensor, cols: int, width: int):
+        """As :meth:`BlockDrafter._draft`; under Helix each block reads this rank's shard of the
+        context (its local pages, masked past each request's global length) and merges."""
+        shard = self._shard
+        if shard is None:
+            return super()._draft(packed, cols, width)
+        c, tpb, B = self.config, self.kv.tokens_per_block, self.config.block_size
+        ids, pos, lens, pages = packed[:, :B], packed[:, B:2 * B], packed[:, 2 * B:2 * B + 1], packed[:, 2 * B + 1:]
+        local_pages = -(-pages.shape[1] // shard.cp)  # a rank holds at most ceil(pages / cp) of a request's pages
+        pages, j = pages[:, :local_pages], self._iota[:local_pages * tpb]
+        slots = (pages[:, :, None] * tpb + self._iota[:tpb]).flatten(1)  # [rows, local_pages * tpb]
+        global_pos = ((j // tpb) * shard.cp + shard.rank) * tpb + j % tpb  # of each local column
+        valid = global_pos[None, :] < lens  # [rows, local cols]; pages this rank does not hold are past the end
+        ctx_kv = [(self.kv.k(i)[slots], None) for i in range(c.num_layers)]  # [rows, local cols, 1, r + rope]
+        h = self.net.run_block(self._embed[ids], self._rope(pos), ctx_kv, block_mask(valid, B), shard)
+        first = self._slots.start
+        return draft_from_hidden(self.net, h[:, first:first + width], ids[:, 0], self._lm_head, self._embed,
+                                 with_confidence=True)

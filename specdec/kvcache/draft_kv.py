@@ -23,12 +23,15 @@ class DraftKV:
         scratch_slot: a slot of ``pool`` no request owns, for the writes of padding rows (a
             captured propose writes a fixed number of context positions); ``None``: there is none,
             and the drafter writes only real positions.
+        shard: under Helix, when the layers share the target's sharded pool, this rank's
+            :class:`~specdec.parallel.helix.HelixShard`: pages then hold only the positions
+            this rank owns and ``slots`` is ``-1`` for the others. ``None``: whole context.
     """
 
     def __init__(self, pool: KVPool, layer_ids, manager: KVCacheManager, shared: bool,
-                 scratch_slot: int | None = None):
+                 scratch_slot: int | None = None, shard=None):
         self.pool, self.layer_ids, self.manager, self.shared = pool, list(layer_ids), manager, shared
-        self.scratch_slot = scratch_slot
+        self.scratch_slot, self.shard = scratch_slot, shard
 
     @property
     def tokens_per_block(self) -> int:

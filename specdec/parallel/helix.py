@@ -88,9 +88,45 @@ class HelixLayout:
         owned_full = max(0, -(-(full - rank) // self.cp))  # pages p < full with p % cp == rank
         return owned_full * self.tokens_per_block + (rem if full % self.cp == rank else 0)
 
+    def owned_runs(self, start: int, stop: int, rank: int) -> list[tuple[int, int]]:
+        """The positions of ``[start, stop)`` that ``rank`` owns, as contiguous ``(begin, end)`` runs."""
+        self._check_rank(rank)
+        tpb, runs = self.tokens_per_block, []
+        page = start // tpb
+        while page * tpb < stop:
+            if page % self.cp == rank:
+                runs.append((max(start, page * tpb), min(stop, (page + 1) * tpb)))
+            page += 1
+        return runs
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.cp:
             raise InvalidRequestError(f"rank must be in [0, {self.cp}), got {rank}")
+
+
+@dataclass(frozen=True, slots=True)
+class HelixShard:
+    """This rank's part in Helix: the ownership rule, its rank and the context-parallel group.
+
+    Attention metadata, KV views and drafters carry it so that whatever reads a request's
+    pages knows they hold only this rank's share and whom to merge partials with.
+
+    Attributes:
+        layout: the ownership rule shared by all ranks.
+        rank: this rank, in ``[0, layout.cp)``.
+        group: the ``torch.distributed`` group of the ``cp`` ranks (``None``: the default group).
+    """
+
+    layout: HelixLayout
+    rank: int
+    group: object = None
+
+    def __post_init__(self) -> None:
+        self.layout._check_rank(self.rank)
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
 
 
 class HelixKVManager:
@@ -227,9 +263,27 @@ def mla_attention_lse(
         log-sum-exp of the scaled scores. A row that
         sees nothing has ``out = 0`` and ``lse = -inf``.
     """
+    return latent_attention_lse(q, kv, kv_pos[:, None, :] <= q_pos[:, :, None], scale, v_head_dim)
+
+
+def latent_attention_lse(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, scale: float, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mla_attention_lse` with an explicit mask instead of positions.
+
+    Args:
+        q: ``[B, Q, H, D]``.
+        kv: ``[B, S, D]`` (K is the whole row, V its first ``v_head_dim`` values).
+        visible: ``[B, Q, S]`` or broadcastable (e.g. ``[B, 1, S]``), True = attend.
+        scale: softmax scale.
+        v_head_dim: output width.
+
+    Returns:
+        ``(out, lse)``, ``[B, Q, H, v_head_dim]`` and ``[B, Q, H]`` fp32; ``0`` and ``-inf``
+        for a query that sees nothing.
+    """
     scores = torch.einsum("bqhd,bsd->bhqs", q.float(), kv.float()) * scale  # [B, H, Q, S]
-    visible = (kv_pos[:, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Q, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, Q]
     # exp(-inf - 0) = 0 for rows that see nothing, instead of exp(-inf + inf) = nan.
     p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])  # [B, H, Q, S]
@@ -328,22 +382,28 @@ def plan_shard(
 
 
 def shard_attention(
-    plan: ShardPlan, q: torch.Tensor, k_cache: torch.Tensor, scale: float, v_head_dim: int
+    plan: ShardPlan, q: torch.Tensor, k_cache: torch.Tensor, scale: float, v_head_dim: int, kv_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA attention of packed queries over this rank's shard of the paged latent cache.
 
     Args:
         plan: from :func:`plan_shard`.
         q: ``[num_tokens, H, D]``.
-        k_cache: this rank's latent cache, ``[num_slots, 1, D]``.
+        k_cache: this rank's latent cache, ``[num_slots, 1, D]`` (an FP8 cache holds ``value / kv_scale``).
         scale: softmax scale.
         v_head_dim: output width (``kv_lora_rank``).
+        kv_scale: dequantisation scale of an FP8 cache (1.0 otherwise).
 
     Returns:
         ``(out, lse)``: ``[num_tokens, H, v_head_dim]`` in latent space and ``[num_tokens, H]``, both fp32.
     """
     q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[plan.q_index]  # [B, max_q, H, D]
-    kv = k_cache[plan.gather][:, :, 0].to(q.dtype)  # [B, max_rows, D]
+    if k_cache.element_size() == 1 and k_cache.is_floating_point():  # no CPU float8 index kernel: gather bytes
+        kv = k_cache.view(torch.uint8)[plan.gather].view(k_cache.dtype)[:, :, 0].to(q.dtype)  # [B, max_rows, D]
+    else:
+        kv = k_cache[plan.gather][:, :, 0].to(q.dtype)  # [B, max_rows, D]
+    if kv_scale != 1.0:
+        kv = kv * kv_scale
     out, lse = mla_attention_lse(q_pad, kv, plan.q_pos, plan.kv_pos, scale, v_head_dim)
     num_heads = q.shape[1]
     out = out.reshape(-1, num_heads, v_head_dim)[plan.out_index]  # [num_tokens, H, Dv]
@@ -358,6 +418,7 @@ def helix_attention(
     scale: float,
     v_head_dim: int,
     group: dist.ProcessGroup | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """One Helix attention step: attend the local shard, exchange by head, combine.
 
@@ -374,6 +435,7 @@ def helix_attention(
         scale: softmax scale.
         v_head_dim: output width (``kv_lora_rank``).
         group: the context-parallel group (default: the world).
+        kv_scale: dequantisation scale of an FP8 cache (1.0 otherwise).
 
     Returns:
         This rank's head slice of the attention over the whole context, ``[num_tokens, H / cp, v_head_dim]``
@@ -386,7 +448,7 @@ def helix_attention(
     T, H = q.shape[0], q.shape[1]
     if H % cp:
         raise ConfigError(f"Helix needs num_heads ({H}) divisible by cp ({cp})")
-    out, lse = shard_attention(plan, q, k_cache, scale, v_head_dim)  # [T, H, Dv], [T, H]
+    out, lse = shard_attention(plan, q, k_cache, scale, v_head_dim, kv_scale)  # [T, H, Dv], [T, H]
     # The LSE rides as one more channel in fp32 so a single collective moves both.
     packed = torch.cat([out, lse[..., None]], dim=-1)  # [T, H, Dv + 1]
     send = packed.view(T, cp, H // cp, v_head_dim + 1).transpose(0, 1).contiguous()  # [cp, T, H/cp, Dv + 1]
@@ -409,3 +471,31 @@ def gather_heads(head_slice: torch.Tensor, group: dist.ProcessGroup | None = Non
     parts = [torch.empty_like(head_slice) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, head_slice.contiguous(), group=group)
     return torch.cat(parts, dim=1)
+
+
+def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None = None,
+                     extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Every rank's partial attention combined on every rank (all heads), by one ``all_gather``.
+
+    For small attention layers (a drafter's few heads, a handful of block rows) where splitting
+    heads across ranks buys nothing: each rank sends its ``[..., Dv + 1]`` partials and combines
+    all of them with :func:`combine_partials`. ``extra`` is one more partial every rank holds
+    alike (e.g. attention over keys every rank has), merged in the same combine.
+
+    Args:
+        out: this rank's partial output, ``[..., Dv]`` fp32 (normalised over its keys).
+        lse: its log-sum-exp, ``[...]`` (``-inf`` where it saw nothing).
+        group: the context-parallel group (default: the world).
+        extra: ``(out, lse)`` of the same shapes, or ``None``.
+
+    Returns:
+        ``[..., Dv]`` fp32, attention over the union of every rank's keys (and ``extra``'s).
+    """
+    packed = torch.cat([out.float(), lse.float()[..., None]], dim=-1).contiguous()  # [..., Dv + 1]
+    parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, packed, group=group)
+    if extra is not None:
+        parts.append(torch.cat([extra[0].float(), extra[1].float()[..., None]], dim=-1))
+    stacked = torch.stack(parts)  # [N, ..., Dv + 1]
+    combined, _ = combine_partials(stacked[..., :-1], stacked[..., -1])
+    return combined

@@ -25,6 +25,9 @@ class PhaseBatch:
         page_tables: physical pages per request, logical order.
         tokens_per_block: page size.
         device: where the plan's tensors go.
+        shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard`: the page
+            tables then hold only the pages this rank owns (``kv_lens`` stay global). ``None``:
+            the pages hold the whole context.
     """
 
     q_lens: tuple[int, ...]
@@ -32,6 +35,7 @@ class PhaseBatch:
     page_tables: tuple[tuple[int, ...], ...]
     tokens_per_block: int
     device: torch.device
+    shard: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,12 @@
-"""Torch reference backend: every shape, every phase, on any device.
+"""Torch reference backend: every unsharded shape, every phase, on any device.
 
 It gathers each request's context from the pages into a padded batch and calls
 ``scaled_dot_product_attention`` with an explicit causal mask over absolute
 positions, so context, single-token decode, multi-token verify and mixed
 batches are one code path. Slow but obviously right; other backends are
-tested against it.
+tested against it. Under Helix (``helix_cp > 1``) a rank's pages hold only its share
+of the context, so attention over them alone is not the answer: those shapes go
+to ``helix_ref``, which merges the ranks' partials.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
-from specdec.attention.shapes import YES, AttnShape, Verdict
+from specdec.attention.shapes import YES, AttnShape, Verdict, no
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,9 @@ class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
     def supports(self, shape: AttnShape) -> Verdict:
+        if shape.helix_cp != 1:
+            return no(f"reads only the pages it is given, with no merge across ranks: helix_cp must be 1, "
+                      f"got {shape.helix_cp} (Helix: helix_ref)")
         return YES
 
     def cost(self, shape: AttnShape) -> float:
@@ -75,6 +80,16 @@ class TorchRefBackend(AttentionBackend):
         k, v = k.to(q.dtype), v.to(q.dtype)
         if kv_scale != 1.0:  # dequantise an FP8 cache (per-tensor scale)
             k, v = k * kv_scale, v * kv_scale
+        if k.shape[2] == 1 and num_heads > 1:
+            # One KV head (MLA's latent): fold the heads into the query rows instead of letting
+            # enable_gqa copy K and V once per head. The same attention, row by row.
+            B, max_q = q_pad.shape[:2]
+            mask = None if plan.mask is None else plan.mask.expand(B, 1, max_q, -1).repeat_interleave(num_heads, 2)
+            out = F.scaled_dot_product_attention(
+                q_pad.reshape(B, 1, max_q * num_heads, -1), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, scale=scale,
+            )  # [B, 1, max_q * H, Dv], rows in (query, head) order
+            return out.reshape(-1, num_heads, v_head_dim)[plan.out_index]
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             k.transpose(1, 2),
