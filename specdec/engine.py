@@ -199,7 +199,8 @@ class SpecEngine:
 
     def capture_graphs(self, max_kv_len: int | None = None, progress: bool = True) -> int:
         """Capture the CUDA graph of every generation bucket (and, with ``prompt_graphs``, every
-        one-request prompt bucket) now, before serving.
+        one-request prompt bucket) now, before serving; and the drafter's propose graphs
+        (:meth:`Drafter.capture_graphs`).
 
         Without it a bucket is captured by the first step that needs it (tens of ms, inside
         that step). Captures use the scratch slot only; no request is touched. A no-op (0)
@@ -228,10 +229,14 @@ class SpecEngine:
             bar.update(1)
 
         try:
-            return self.runner.capture_buckets(decode_only, max_kv_len, tick if bar is not None else None)
+            done = self.runner.capture_buckets(decode_only, max_kv_len, tick if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
+        capture = getattr(self.drafter, "capture_graphs", None)  # the drafter's propose shapes too
+        if capture is not None and self._max_draft and self.runner.graphs_enabled:
+            done += capture(self.config.max_num_seqs, max_kv_len or self.target.max_context)
+        return done
 
     @property
     def attention_backends(self) -> dict[str, str]:

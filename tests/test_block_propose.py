@@ -23,7 +23,7 @@ from hypothesis import strategies as hst
 
 from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, RopeTable, _rms, init_weights,
                                     rope_cos_sin)
-from specdec.drafters.dflash import CTX_BUCKET, DFlashDrafter, DSparkDrafter
+from specdec.drafters.dflash import CTX_BUCKET, MAX_PADDED_REQUESTS, DFlashDrafter, DSparkDrafter, propose_buckets
 from specdec.drafters.dspark_mla import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSparkDrafter
 from specdec.kvcache import KVCacheManager, KVPool
 from specdec.kvcache.draft_kv import DraftKV
@@ -307,6 +307,25 @@ def test_context_kv_written_as_before(kind):
     assert torch.equal(d.kv.k(1)[d.kv.slots("r0", n, n + 3)], want)
 
 
+@given(max_requests=hst.integers(1, 600), max_context=hst.integers(1, 5000), data=hst.data())
+def test_propose_buckets_hold_every_padded_propose(max_requests, max_context, data):
+    """What :meth:`BlockDrafter.capture_graphs` captures: the bucket of any padded propose of up to
+    ``max_requests`` requests and ``max_context`` context tokens, each once, and nothing bigger."""
+    buckets = propose_buckets(max_requests, max_context)
+    assert len(set(buckets)) == len(buckets)
+    n = data.draw(hst.integers(1, min(max_requests, MAX_PADDED_REQUESTS)))
+    ctx = data.draw(hst.integers(0, max_context))
+    key = (1 << (n - 1).bit_length(), -(-max(1, ctx) // CTX_BUCKET) * CTX_BUCKET)  # as propose pads it
+    assert key in buckets
+    assert max(r for r, _ in buckets) == min(1 << (max_requests - 1).bit_length(), MAX_PADDED_REQUESTS)
+    assert max(c for _, c in buckets) == -(-max_context // CTX_BUCKET) * CTX_BUCKET
+
+
+def test_capture_graphs_is_a_no_op_on_the_cpu():
+    st = State(make_drafter("dspark"), 4, [5, 9], shared=False, seed=0)
+    assert st.d.capture_graphs(8, 600) == 0 and st.d._graphs == {}
+
+
 def test_cuda_graphs_flag_is_reported():
     st = State(make_drafter("dflash", cuda_graphs=False), 4, [5], shared=False, seed=0)
     st.d.propose(st.reqs, 4)
@@ -467,14 +486,20 @@ class TestOnGPU:
         prompts = [torch.randint(0, 127, (n,), generator=g).tolist() for n in (300, 5, 40, 130, 1, 77)]
         params = SamplingParams(max_new_tokens=40, ignore_eos=True)
         outs = {}
-        for name, graphs in (("null", None), ("eager", False), ("graph", True)):
+        for name, graphs in (("null", None), ("eager", False), ("graph", True), ("precaptured", True)):
             d = None if graphs is None else (DFlashDrafter if kind == "dflash" else DSparkDrafter)(
                 init_weights(BlockDrafterNet(cfg), seed=4), cuda_graphs=graphs)
             engine = SpecEngine(target, d, max_draft_tokens=4, tokens_per_block=16)
+            if name == "precaptured":  # every propose bucket before the first step: none captured later
+                engine.capture_graphs(max_kv_len=400, progress=False)
+                before = d.stats["graphs_captured"]
+                assert before == len(propose_buckets(engine.config.max_num_seqs, 400))
             outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
             if graphs:
                 assert d.stats["graph_proposes"] > 0 and d.stats["eager_proposes"] == 0
-        assert outs["graph"] == outs["eager"] == outs["null"]
+            if name == "precaptured":
+                assert d.stats["graphs_captured"] == before
+        assert outs["graph"] == outs["eager"] == outs["null"] == outs["precaptured"]
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

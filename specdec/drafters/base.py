@@ -132,6 +132,12 @@ class Drafter:
         """Host work that does not need the current step's result, run while the device
         computes the step (e.g. indexing a finished response). Called once per step."""
 
+    def capture_graphs(self, max_requests: int, max_context: int) -> int:
+        """Prepare (e.g. capture the CUDA graphs of) every propose shape of up to ``max_requests``
+        requests and ``max_context`` context tokens now, so that no step pays for it
+        (:meth:`SpecEngine.capture_graphs` calls it). Returns how many were prepared; default 0."""
+        return 0
+
 
 _REGISTRY: dict[str, type[Drafter]] = {}
 

@@ -52,6 +52,16 @@ CTX_BUCKET = 256
 MAX_PADDED_REQUESTS = 256
 
 
+def propose_buckets(max_requests: int, max_context: int) -> list[tuple[int, int]]:
+    """Every ``(requests, context keys)`` bucket a padded propose of up to ``max_requests``
+    requests and ``max_context`` context tokens can use: requests a power of two (at most
+    :data:`MAX_PADDED_REQUESTS`), keys a multiple of :data:`CTX_BUCKET`."""
+    top_rows = min(next_pow2(max(1, max_requests)), MAX_PADDED_REQUESTS)
+    top_cols = -(-max(1, max_context) // CTX_BUCKET) * CTX_BUCKET
+    rows = [1 << i for i in range(top_rows.bit_length()) if 1 << i <= top_rows]
+    return [(r, c) for r in rows for c in range(CTX_BUCKET, top_cols + 1, CTX_BUCKET)]
+
+
 @dataclass(slots=True)
 class _ProposeGraph:
     """A captured propose of one bucket: static inputs in, drafted tokens out."""
@@ -292,6 +302,21 @@ class BlockDrafter(Drafter):
             return [Draft(tuple(t)) for t in tokens[:n].tolist()]
         both = torch.cat([tokens[:n].float(), conf[:n].float()], 1).tolist()  # one sync (ids < 2**24: exact)
         return [Draft(tuple(int(t) for t in row[:width]), confidence=tuple(row[width:])) for row in both]
+
+    def capture_graphs(self, max_requests: int, max_context: int) -> int:
+        """Capture the propose graph of every bucket of up to ``max_requests`` requests and
+        ``max_context`` context keys (see :meth:`Drafter.capture_graphs`): padding rows only, whose
+        context writes go to the scratch slot; no request is touched. 0 where graphs are off."""
+        if self.kv is None or self._why_eager(1):
+            return 0
+        buckets = propose_buckets(max_requests, max_context)
+        top_cols = max(cols for _, cols in buckets)
+        if top_cols + self.config.block_size > self._rope.length:  # grown before capturing: it drops graphs
+            self._make_tables(top_cols + self.config.block_size)
+        todo = [key for key in buckets if key not in self._graphs]
+        for rows, cols in todo:
+            self._capture((rows, cols), self._pack([], [], rows, cols))
+        return len(todo)
 
     def _why_eager(self, n: int) -> str:
         """Why this propose cannot replay a graph ("" when it can)."""
