@@ -120,6 +120,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
     precapture_s = time.perf_counter() - t0
     engine.generate(prompt_ids[:batch_size], params)
     engine.timings.update({k: 0 for k in engine.timings})
+    engine.draft_length_stats.update({k: 0 for k in engine.draft_length_stats})
     for k in ("graph_steps", "eager_steps", "graphs_captured", "capture_s"):
         engine.runner.stats[k] = 0
     engine.runner.stats["eager_reasons"].clear()
@@ -157,6 +158,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "per_request": [(len(o.token_ids), len(o.stats.accepted_lengths), sum(o.stats.accepted_lengths))
                             for o in outs],
             "batch_s": batch_s,
+            "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
             **({"cprofile": profile} if profile else {})}
 
 
@@ -342,6 +344,11 @@ def main() -> None:
                         if ref and name.startswith("specdec") else "-")
                 text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
             text.append("")
+            for name, r in res.items():
+                dl = r.get("draft_length_stats") or {}
+                if dl.get("steps"):
+                    text.append(f"- {name}: the confidence cut kept {dl['kept']:,} of {dl['drafted']:,} drafted tokens "
+                                f"over {dl['steps']:,} steps")
             text += category_table(res, b)
             for name, r in res.items():
                 if r.get("cprofile"):
