@@ -244,7 +244,8 @@ def helix_shapes(draw) -> AttnShape:
 @given(shape=helix_shapes(), pool=backend_pools)
 def test_helix_shapes_never_go_to_a_backend_that_refuses_them(shape, pool):
     """The selector never picks a backend outside its supports(), for Helix shapes too; with the
-    registry alone an evenly split Helix shape goes to helix_ref, never to torch_ref."""
+    registry alone an evenly split Helix shape goes to helix_ref or a cheaper Helix kernel that
+    supports it (triton_mla where its Helix path is validated), never to torch_ref."""
     supporting = [b for b in pool if b.supports(shape).ok]
     if supporting:
         chosen = select(shape, backends=pool)
@@ -254,7 +255,11 @@ def test_helix_shapes_never_go_to_a_backend_that_refuses_them(shape, pool):
             select(shape, backends=pool)
     assert not REF.supports(shape).ok and "helix_cp must be 1" in REF.supports(shape).reason
     if shape.num_heads % shape.helix_cp == 0:
-        assert select(shape) is HELIX_REF
+        chosen = select(shape)
+        assert chosen.supports(shape).ok and chosen is not REF
+        kernels = [b for b in available_backends() if b is not HELIX_REF and b.supports(shape).ok]
+        assert chosen is (min(kernels, key=lambda b: b.cost(shape)) if kernels else HELIX_REF)
+        assert chosen is HELIX_REF or chosen.cost(shape) < HELIX_REF.cost(shape)
     else:
         assert "divisible by helix_cp" in HELIX_REF.supports(shape).reason
         with pytest.raises(UnsupportedShapeError, match="divisible by helix_cp"):

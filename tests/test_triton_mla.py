@@ -22,14 +22,19 @@ kernel-limit refusals are shown to fail when forced.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu'): no triton_mla backend to test")
 
@@ -44,6 +49,7 @@ from specdec.attention.metadata import plan_step  # noqa: E402
 from specdec.attention.selector import select  # noqa: E402
 from specdec.attention.shapes import AttnShape  # noqa: E402
 from specdec.errors import ConfigError, UnsupportedShapeError  # noqa: E402
+from specdec.parallel.helix import HelixLayout, HelixShard, combine_partials, plan_shard, shard_attention  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = triton_mla.INTERPRET
@@ -144,6 +150,80 @@ def run_case(h, q_lens, kv_lens, *, tpb, lat=32, rope=16, q_dtype=F32, kv_dtype=
     return backend
 
 
+def shard_pool(batch, cache, layout, rank):
+    """Rank ``rank``'s view of a pool from :func:`make_pool` under Helix: its page tables (logical
+    page ``p`` of a request is the rank's local page ``p // cp`` when ``p % cp == rank``) and a copy
+    of the cache where every slot outside those pages is NaN (slot 0 excepted, as in ``make_pool``)."""
+    cp, tpb = layout.cp, layout.tokens_per_block
+    tables = tuple(tuple(t[rank::cp][: -(-layout.local_length(kv, rank) // tpb)])
+                   for kv, t in zip(batch.kv_lens, batch.page_tables))
+    mine = torch.zeros(cache.shape[0], dtype=torch.bool, device=cache.device)
+    for t in tables:
+        for page in t:
+            mine[page * tpb : (page + 1) * tpb] = True
+    mine[0] = True
+    local = cache.clone()
+    if local.dtype == FP8:
+        local.view(torch.uint8)[~mine] = FP8_NAN
+    else:
+        local[~mine] = float("nan")
+    shard = HelixShard(layout, rank)
+    return PhaseBatch(batch.q_lens, batch.kv_lens, tables, tpb, batch.device, shard), local
+
+
+def run_sharded_case(h, q_lens, kv_lens, cp, *, tpb, lat=32, rope=16, q_dtype=F32, kv_dtype=F32, config=None,
+                     device=None, seed=0):
+    """Helix with ``cp`` shards simulated in one process, through the kernel's LSE output:
+
+    - the unsharded kernel's output and LSE equal the torch reference's
+      (:func:`~specdec.parallel.helix.shard_attention` over the whole, fp32, dequantised cache);
+    - each shard's kernel partial and LSE equal the reference's over the same shard;
+    - :func:`~specdec.parallel.helix.combine_partials` of the kernel's partials equals the
+      unsharded kernel output and the reference over the whole cache.
+    """
+    device = device or ("cpu" if INTERPRET else "cuda")
+    d = lat + rope
+    batch, cache, deq, kv_scale = make_pool(q_lens, kv_lens, tpb=tpb, d=d, kv_dtype=kv_dtype, device=device,
+                                            seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(q_lens), h, d, generator=g).to(device=device, dtype=q_dtype)
+    scale = d**-0.5 * 1.3
+    tol = dict(atol=TOL[q_dtype], rtol=TOL[q_dtype])
+    backend = TritonMLABackend(config or TritonMLAConfig())
+
+    def reference(b, c, layout, rank):  # fp32 over the dequantised cache
+        p = plan_shard(b.q_lens, b.kv_lens, b.page_tables, layout, rank, device)
+        return shard_attention(p, q.float(), c, scale, lat)  # [T, H, lat], [T, H]
+
+    out, lse = backend.attend(backend.plan(batch), q, cache, scale, lat, kv_scale=kv_scale, return_lse=True)
+    want, want_lse = reference(batch, deq, HelixLayout(1, tpb), 0)
+    assert out.dtype == q_dtype and lse.shape == (sum(q_lens), h) and lse.dtype == F32
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(out.float(), want, **tol)
+    torch.testing.assert_close(lse, want_lse, **tol)
+    assert torch.equal(backend.attend(backend.plan(batch), q, cache, scale, lat, kv_scale=kv_scale), out)
+
+    layout, outs, lses = HelixLayout(cp, tpb), [], []
+    for rank in range(cp):
+        local_batch, local = shard_pool(batch, cache, layout, rank)
+        plan = backend.plan(local_batch)
+        part, part_lse = backend.attend(plan, q, local, scale, lat, kv_scale=kv_scale, return_lse=True,
+                                        out_dtype=F32)
+        _, local_deq = shard_pool(batch, deq, layout, rank)
+        ref_part, ref_lse = reference(local_batch, local_deq, layout, rank)
+        what = f"rank {rank} of {cp}"
+        assert torch.equal(torch.isneginf(part_lse), torch.isneginf(ref_lse)), what  # rows that see nothing here
+        torch.testing.assert_close(part, ref_part, **tol, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(part_lse, ref_lse, **tol, msg=lambda m: f"{what}: {m}")
+        outs.append(part)
+        lses.append(part_lse)
+    got, got_lse = combine_partials(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_lse, want_lse, **tol)
+    torch.testing.assert_close(got.to(q_dtype).float(), out.float(), **tol)
+    return lses
+
+
 def shape_of_case(h, q_lens, *, tpb, lat=32, rope=16, q_dtype=F32, kv_dtype=F32, device="cpu") -> AttnShape:
     sm = None
     if device == "cuda":
@@ -159,7 +239,9 @@ def shape_of_case(h, q_lens, *, tpb, lat=32, rope=16, q_dtype=F32, kv_dtype=F32,
 @pytest.mark.parametrize(("overrides", "reason"), [
     (dict(kind="gqa", num_kv_heads=8, head_dim=128, v_head_dim=128), "kind must be 'mla'"),
     (dict(phase="context", max_q_len=512), "phase must be 'generation'"),
-    (dict(helix_cp=4), "Helix"),
+    # 96 heads split across 4 ranks: accepted once the GPU Helix tests have passed on sm90.
+    (dict(helix_cp=4), None if 90 in triton_mla.HELIX_VALIDATED_SM else "Helix on sm=90 not validated yet"),
+    (dict(helix_cp=5), "divisible by helix_cp (5)"),
     (dict(max_q_len=17), "max_q_len must be <= 16"),
     (dict(head_dim=192, v_head_dim=128, tokens_per_block=32), None),  # accepted: latent 128 + rope 64
     (dict(head_dim=512, v_head_dim=512), "rope"),
@@ -199,11 +281,37 @@ def test_auto_selects_it_for_every_head_count_on_the_h200(h, max_q_len, tpb, kv_
     assert TritonMLABackend().cost(shape) < selector.get_backend("torch_ref").cost(shape)
 
 
+@pytest.mark.skipif(INTERPRET, reason="cuda shapes are refused under the interpreter (tested above)")
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("h", [16, 48, 96, 128])
+@pytest.mark.parametrize("max_q_len", [1, 4])
+def test_auto_selects_it_for_helix_on_the_h200(h, max_q_len, cp):
+    """Reference 003: Helix MLA (48 heads, 64-token pages, FP8) fell to a fallback with no page-64
+    kernel. Here the Helix shapes the kernel runs go to it, ahead of the Helix reference, once its
+    Helix path is validated on the arch; until then the reference runs them and a request names why."""
+    shape = mla_gpu(num_heads=h, max_q_len=max_q_len, tokens_per_block=64, kv_dtype="float8_e4m3fn", helix_cp=cp)
+    assert TritonMLABackend().cost(shape) < selector.get_backend("helix_ref").cost(shape)
+    if 90 in triton_mla.HELIX_VALIDATED_SM:
+        assert TritonMLABackend().supports(shape).ok
+        assert select(shape).name == "triton_mla"
+    else:
+        assert select(shape).name == "helix_ref"
+        with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*Helix on sm=90 not validated yet"):
+            select(shape, requested="triton_mla")
+
+
 def test_requested_is_refused_with_the_reason_never_replaced():
-    shape = mla_gpu(helix_cp=2)
-    with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*Helix"):
+    shape = mla_gpu(sm=100)
+    with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*(sm=100 not validated|cpu only)"):
         select(shape, requested="triton_mla")
     assert select(shape).name == "torch_ref"
+    helix = mla_gpu(sm=100, helix_cp=2)
+    with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*(sm=100 not validated|cpu only)"):
+        select(helix, requested="triton_mla")
+    assert select(helix).name == "helix_ref"  # never torch_ref: it would attend this rank's pages only
+    uneven = mla_gpu(helix_cp=5)
+    with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*divisible by helix_cp"):
+        select(uneven, requested="triton_mla")
     ctx = mla_gpu(phase="context", max_q_len=300)
     with pytest.raises(UnsupportedShapeError, match=r"'triton_mla'.*phase must be 'generation'"):
         select(ctx, requested="triton_mla")
@@ -353,6 +461,77 @@ def test_kernel_matches_the_reference(case):
     run_case(h, q_lens, kv_lens, **kw)
 
 
+# Helix shards simulated in one process: (h, q_lens, kv_lens, cp, kwargs). Requests shorter than a page
+# (ranks > 0 own nothing), verify rows straddling a page boundary (their keys on two ranks), one split
+# and several (splits of a rank's keys that no row sees), tiles spanning pages, bf16 and FP8 caches.
+HELIX_CASES = {
+    "cp2-decode-p16": (16, (1, 1, 1), (5, 37, 70), 2, dict(tpb=16)),
+    "cp2-verify-p16-split3": (16, (4, 2, 1), (33, 17, 70), 2, dict(tpb=16, config=TritonMLAConfig(num_splits=3))),
+    "cp4-verify-p16-bf16-fp8-split2": (8, (3, 1), (50, 20), 4, dict(tpb=16, q_dtype=BF16, kv_dtype=FP8,
+                                                                      config=TritonMLAConfig(num_splits=2))),
+    "cp3-verify-p32-tile-spans-pages": (6, (2, 4), (100, 34), 3, dict(tpb=32, config=TritonMLAConfig(
+        num_splits=2, block_n=64))),
+    "real-576-cp2-bf16-split2": (16, (2, 1), (40, 9), 2, dict(tpb=16, lat=512, rope=64, q_dtype=BF16,
+                                                               kv_dtype=BF16, config=TritonMLAConfig(num_splits=2))),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", list(HELIX_CASES))
+def test_lse_and_helix_shards_match_the_reference(case):
+    """The kernel's LSE equals the torch reference's; shards of the pages through the kernel, combined
+    by LSE, equal the unsharded kernel and the reference."""
+    h, q_lens, kv_lens, cp, kw = HELIX_CASES[case]
+    shape_kw = {k: v for k, v in kw.items() if k in ("tpb", "lat", "rope", "q_dtype", "kv_dtype")}
+    shape = dataclasses.replace(shape_of_case(h, q_lens, **shape_kw), helix_cp=cp)
+    verdict = TritonMLABackend().supports(shape)
+    assert verdict.ok, verdict.reason
+    lses = run_sharded_case(h, q_lens, kv_lens, cp, **kw)
+    if min(kv_lens) < kw["tpb"]:  # a request on one page: every other rank saw nothing of it
+        assert all(torch.isneginf(lse).any() for lse in lses[1:])
+
+
+def _helix_run_worker(rank: int, world: int, init_file: str) -> None:
+    """One gloo rank: ``run`` on its shard (kernel partial, all-to-all by head, combine, gather)
+    equals ``torch_ref`` over the whole cache, for every head."""
+    torch.set_num_threads(1)
+    triton_interp.fix_interpreter()  # a fresh process: the conftest fixture did not run here
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        lat, rope, tpb = 32, 16, 16
+        for n, (h, q_lens, kv_lens) in enumerate([(8, (4, 1, 2), (33, 5, 70)), (16, (1,), (3,))]):
+            batch, cache, deq, _ = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, kv_dtype=F32, device="cpu",
+                                             seed=n)
+            q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(n))
+            shape = AttnShape("generation", "mla", h, 1, lat + rope, lat, tpb, max(q_lens), helix_cp=world)
+            backend = select(shape, requested="triton_mla")
+            local_batch, local = shard_pool(batch, cache, HelixLayout(world, tpb), rank)
+            out = backend.run(backend.plan(local_batch), q, local, None, 0.2, lat)
+            ref = TorchRefBackend()
+            want = ref.run(ref.plan(batch), q, deq, None, 0.2, lat)
+            torch.testing.assert_close(out, want, atol=TOL[F32], rtol=TOL[F32], msg=lambda m: f"rank {rank}: {m}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_interpreter
+def test_helix_run_on_gloo_ranks_equals_the_unsharded_reference(tmp_path):
+    """The whole Helix path of ``run`` on 2 gloo processes (~10 s, mostly process start-up)."""
+    ctx = mp.start_processes(_helix_run_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=False,
+                             start_method="spawn")
+    start = time.monotonic()
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() - start > 120:
+                pytest.fail("2 gloo ranks did not finish within 120 s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()
+
+
 # One field of a small base shape changed at a time; ``ok`` is what supports must say.
 SWEEP = [
     *[(dict(tokens_per_block=t), t in (16, 32, 64, 128)) for t in (8, 16, 32, 64, 128, 256)],
@@ -364,7 +543,9 @@ SWEEP = [
     *[(dict(q_dtype=q, kv_dtype=kv), q in ("float32", "bfloat16") and kv != "float16")
       for q in ("float32", "bfloat16", "float16") for kv in ("float32", "bfloat16", "float8_e4m3fn", "float16")],
     (dict(mixed=True), True),
-    (dict(helix_cp=2), False),
+    (dict(helix_cp=2), True),
+    (dict(helix_cp=4, max_q_len=3), True),
+    (dict(helix_cp=3), False),  # 4 heads do not split across 3 ranks
     (dict(kind="gqa", num_kv_heads=4, head_dim=16), False),
     (dict(phase="context", max_q_len=4), False),
     (dict(device="cuda", sm=90), False),  # kernels built for the interpreter run on the CPU only
@@ -383,6 +564,10 @@ def test_every_claimed_cpu_shape_runs_and_matches(overrides, ok):
         return
     q_lens = (shape.max_q_len, 1)
     kv_lens = (shape.max_q_len + 20, shape.max_q_len + 2)
+    if shape.helix_cp > 1:
+        run_sharded_case(shape.num_heads, q_lens, kv_lens, shape.helix_cp, tpb=shape.tokens_per_block,
+                         config=TritonMLAConfig(num_splits=2))
+        return
     run_case(shape.num_heads, q_lens, kv_lens, tpb=shape.tokens_per_block, lat=shape.v_head_dim,
              rope=shape.head_dim - shape.v_head_dim, q_dtype=TORCH_DTYPE[shape.q_dtype],
              kv_dtype=TORCH_DTYPE[shape.kv_dtype], config=TritonMLAConfig(num_splits=2))
@@ -485,6 +670,26 @@ class TestGPU:
     def test_forced_splits_and_row_blocks(self, kv_dtype, splits, block_m):
         run_case(96, (4, 1, 3), (4096, 17, 777), tpb=64, lat=512, rope=64, q_dtype=BF16, kv_dtype=kv_dtype,
                  config=TritonMLAConfig(num_splits=splits, block_m=block_m), device="cuda")
+
+    @pytest.mark.parametrize("kv_dtype", [BF16, FP8], ids=["bf16", "fp8"])
+    @pytest.mark.parametrize("cp", [2, 4])
+    @pytest.mark.parametrize("q_len", [1, 4])
+    @pytest.mark.parametrize("h", [48, 96])
+    def test_helix_shards_combine_to_the_unsharded_result(self, h, q_len, cp, kv_dtype):
+        """The kernel's LSE equals the reference's, and Helix shards simulated on one GPU, combined by
+        LSE, equal the unsharded kernel and the reference (a request shorter than a page included)."""
+        q_lens = (q_len, max(1, q_len - 1), q_len, 1)
+        shape = shape_of_case(h, q_lens, tpb=64, lat=512, rope=64, q_dtype=BF16, kv_dtype=kv_dtype, device="cuda")
+        verdict = TritonMLABackend().supports(dataclasses.replace(shape, helix_cp=cp))
+        if shape.sm in triton_mla.HELIX_VALIDATED_SM:
+            assert verdict.ok, verdict.reason
+        run_sharded_case(h, q_lens, (*GPU_KV_LENS, 40), cp, tpb=64, lat=512, rope=64, q_dtype=BF16,
+                         kv_dtype=kv_dtype, device="cuda", seed=h + q_len + cp)
+
+    @pytest.mark.parametrize("splits", [1, 5])
+    def test_helix_shards_with_forced_splits(self, splits):
+        run_sharded_case(96, (4, 1, 3), (4096, 17, 777), 4, tpb=64, lat=512, rope=64, q_dtype=BF16, kv_dtype=FP8,
+                         config=TritonMLAConfig(num_splits=splits), device="cuda")
 
     def test_long_single_request_and_large_batch(self):
         run_case(128, (1,), (32768,), tpb=64, lat=512, rope=64, q_dtype=BF16, kv_dtype=FP8, device="cuda")

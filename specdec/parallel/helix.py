@@ -444,18 +444,43 @@ def helix_attention(
     Raises:
         ConfigError: ``H`` is not divisible by the group size.
     """
-    cp = dist.get_world_size(group)
-    T, H = q.shape[0], q.shape[1]
+    cp, H = dist.get_world_size(group), q.shape[1]
     if H % cp:
         raise ConfigError(f"Helix needs num_heads ({H}) divisible by cp ({cp})")
     out, lse = shard_attention(plan, q, k_cache, scale, v_head_dim, kv_scale)  # [T, H, Dv], [T, H]
+    return exchange_heads(out, lse, group).to(q.dtype)  # [T, H/cp, Dv]
+
+
+def exchange_heads(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The exchange and combine of :func:`helix_attention`, from this rank's partials (any kernel's).
+
+    Every rank of ``group`` calls it with its partials of all ``H`` heads; one
+    ``all_to_all_single`` of ``[cp, T, H / cp, Dv + 1]`` fp32 values hands rank ``j`` every
+    rank's partials of heads ``[j * H / cp, (j + 1) * H / cp)``, which :func:`combine_partials`
+    combines exactly.
+
+    Args:
+        out: this rank's partial output, ``[T, H, Dv]`` (normalised over its keys).
+        lse: its natural-log log-sum-exp, ``[T, H]`` (``-inf`` where it saw nothing).
+        group: the context-parallel group (default: the world).
+
+    Returns:
+        This rank's head slice over the whole context, ``[T, H / cp, Dv]`` fp32.
+
+    Raises:
+        ConfigError: ``H`` is not divisible by the group size.
+    """
+    cp = dist.get_world_size(group)
+    T, H, Dv = out.shape
+    if H % cp:
+        raise ConfigError(f"Helix needs num_heads ({H}) divisible by cp ({cp})")
     # The LSE rides as one more channel in fp32 so a single collective moves both.
-    packed = torch.cat([out, lse[..., None]], dim=-1)  # [T, H, Dv + 1]
-    send = packed.view(T, cp, H // cp, v_head_dim + 1).transpose(0, 1).contiguous()  # [cp, T, H/cp, Dv + 1]
+    packed = torch.cat([out.float(), lse.float()[..., None]], dim=-1)  # [T, H, Dv + 1]
+    send = packed.view(T, cp, H // cp, Dv + 1).transpose(0, 1).contiguous()  # [cp, T, H/cp, Dv + 1]
     recv = torch.empty_like(send)  # [cp (source rank), T, H/cp, Dv + 1]
     dist.all_to_all_single(recv, send, group=group)
-    combined, _ = combine_partials(recv[..., :v_head_dim], recv[..., v_head_dim])
-    return combined.to(q.dtype)  # [T, H/cp, Dv]
+    combined, _ = combine_partials(recv[..., :Dv], recv[..., Dv])
+    return combined  # [T, H/cp, Dv]
 
 
 def gather_heads(head_slice: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

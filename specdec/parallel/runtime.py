@@ -5,7 +5,8 @@ An engine with ``EngineConfig(helix_cp=N)`` runs as one process per rank, launch
 over the same requests: the same schedule, the same drafts, the same verification.
 What differs is the KV: each rank's pool holds only the pages it owns, its page tables
 are rank-local (:class:`HelixPageManager`), each step writes only the positions the rank
-owns, and attention merges the ranks' partials (``helix_ref``). Every rank ends each step
+owns, and attention merges the ranks' partials (``helix_ref``, or ``triton_mla`` for the
+decode and verify shapes it supports). Every rank ends each step
 with the same tokens; rank 0's outputs are the answer.
 
 This module keeps those pieces out of :mod:`specdec.engine`: :func:`helix_shard` checks

@@ -6,7 +6,7 @@ positions, so context, single-token decode, multi-token verify and mixed
 batches are one code path. Slow but obviously right; other backends are
 tested against it. Under Helix (``helix_cp > 1``) a rank's pages hold only its share
 of the context, so attention over them alone is not the answer: those shapes go
-to ``helix_ref``, which merges the ranks' partials.
+to ``helix_ref`` (or ``triton_mla``), which merge the ranks' partials.
 """
 
 from __future__ import annotations

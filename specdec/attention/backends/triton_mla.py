@@ -40,6 +40,16 @@ Stage 1, ``_mla_stage1``, grid ``(row_blocks, num_splits, num_seqs)``:
   With one split the program writes the final output; with several, each
   writes a normalised partial output and its log-sum-exp (base 2, fp32), and
   stage 2 (``_mla_merge``, grid ``(num_tokens, cdiv(H, 16))``) merges them exactly.
+* *LSE out* (``attend(..., return_lse=True)``): the program writing the final output
+  (stage 1 with one split, else the merge) also stores each row's log-sum-exp, natural
+  log as :func:`~specdec.parallel.helix.combine_partials` takes it. One store; the
+  default launch (no LSE) compiles without it.
+* *Helix* (docs/design.md §7): the page table is the rank's own (logical page ``p`` is
+  local page ``p // cp`` of rank ``p % cp``), so key ``k`` is the ``k``-th position the
+  rank owns; the causal bound of each row and the keys of the request become counts of
+  owned positions (``_owned``). A row that sees none of the rank's keys gets output 0
+  and LSE ``-inf``. ``run`` then exchanges the partials by head and combines them
+  (:func:`~specdec.parallel.helix.exchange_heads`), as ``helix_ref`` does.
 
 Numerics: scores and the output accumulate in fp32 (``exp2`` online softmax).
 KV tiles are converted to the query dtype before the dots (the torch reference
@@ -58,6 +68,7 @@ fp32 queries (interpreter tests) use IEEE fp32 dots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -67,6 +78,7 @@ from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.errors import ConfigError
+from specdec.parallel.helix import exchange_heads, gather_heads
 
 TOKENS_PER_BLOCK = (16, 32, 64, 128)
 # On the GPU only the configurations the launch heuristics were sized for (shared memory,
@@ -81,9 +93,21 @@ MAX_Q_LEN = 16  # largest verify length the tests cover (the mask is generic; th
 # Validated on the GPU by tests/test_triton_mla.py::TestGPU. Add an arch only after that
 # test class has passed on it (shared-memory budgets differ: sm86/89/120 have ~100 KB).
 VALIDATED_SM = (90,)
+# The Helix path (rank-local pages, LSE out) on the GPU, likewise: add an arch only after
+# TestGPU::test_helix_shards_* has passed on it. It is checked on the interpreter meanwhile.
+HELIX_VALIDATED_SM: tuple[int, ...] = ()
 FP8_MIN_SM = 89  # native e4m3 conversion
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _owned(n, cp, rank, TPB: tl.constexpr):
+    """How many of positions ``[0, n)`` Helix rank ``rank`` of ``cp`` owns (page ``p`` -> rank ``p % cp``);
+    ``n`` for ``cp == 1``. Also the rank-local index one past its last owned position below ``n``."""
+    full = n // TPB
+    owned_full = tl.maximum((full - rank + cp - 1) // cp, 0)  # pages p < full with p % cp == rank
+    return owned_full * TPB + tl.where(full % cp == rank, n % TPB, 0)
 
 
 @triton.jit
@@ -93,6 +117,7 @@ def _mla_stage1(
     Out,  # [num_tokens, H, LAT] (used when not SPLIT)
     OPart,  # [num_tokens, H, num_splits, LAT] fp32 (used when SPLIT)
     LsePart,  # [num_tokens, H, num_splits] fp32, log2 domain (used when SPLIT)
+    Lse,  # [num_tokens, H] fp32, natural log (used when STORE_LSE and not SPLIT)
     PageTable,  # [num_seqs, max_pages] int32
     KvLens,  # [num_seqs] int32
     QStart,  # [num_seqs] int32
@@ -101,6 +126,8 @@ def _mla_stage1(
     v_scale,  # kv_scale
     num_heads,
     num_splits,
+    cp,  # Helix ranks (used when HELIX)
+    rank,  # this Helix rank (used when HELIX)
     stride_qt,
     stride_qh,
     stride_kv,
@@ -115,6 +142,8 @@ def _mla_stage1(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    HELIX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -131,7 +160,7 @@ def _mla_stage1(
     row_ok = offs_m < rows
     tok = offs_m // num_heads
     head = offs_m % num_heads
-    last_key = kv_len - q_len + tok  # causal: row sees keys 0 .. last_key
+    last_key = kv_len - q_len + tok  # causal: row sees positions 0 .. last_key
     offs_lat = tl.arange(0, LAT)
     offs_rope = tl.arange(0, ROPE)
     offs_n = tl.arange(0, BLOCK_N)
@@ -155,18 +184,29 @@ def _mla_stage1(
         row_scale = row_scale * down.to(tl.float32, bitcast=True)
     dot_dtype = q_lat.dtype
 
-    # This program's keys: its split's chunk, cut at the last key any of its rows sees.
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
+    # Keys are indexed through the page table. Unsharded, key k is position k. Under Helix the page
+    # table holds this rank's pages only: key k is the k-th position it owns, positions grow with k,
+    # and a row sees the keys below the count of owned positions up to its own.
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // num_heads, q_len - 1)
-    hi = tl.minimum(tl.minimum(lo + chunk, kv_len), kv_len - q_len + last_tok + 1)
+    if HELIX:
+        n_keys = _owned(kv_len, cp, rank, TPB)
+        row_end = _owned(last_key + 1, cp, rank, TPB)  # [BLOCK_M]: the row sees keys < row_end
+        stop = _owned(kv_len - q_len + last_tok + 1, cp, rank, TPB)
+    else:
+        n_keys = kv_len
+        row_end = last_key + 1
+        stop = kv_len - q_len + last_tok + 1
+    # This program's keys: its split's chunk, cut at the last key any of its rows sees.
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, n_keys), stop)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, LAT], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         keys = start + offs_n
-        key_ok = keys < kv_len  # never read past the request's cache: pad slots may hold NaN
+        key_ok = keys < n_keys  # never read past the request's cache: pad slots may hold NaN
         if BLOCK_N <= TPB:  # the tile lies in one page: one page-table lookup
             page = tl.load(PageTable + seq * stride_pt + start // TPB).to(tl.int64)
             slot = page * TPB + (start % TPB) + offs_n  # [BLOCK_N]
@@ -179,7 +219,7 @@ def _mla_stage1(
 
         s = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         s = tl.dot(q_lat, tl.trans(k_lat), s, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        s = tl.where(keys[None, :] <= last_key[:, None], s * row_scale[:, None], float("-inf"))
+        s = tl.where(keys[None, :] < row_end[:, None], s * row_scale[:, None], float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
@@ -200,10 +240,19 @@ def _mla_stage1(
         tl.store(LsePart + part, lse, mask=row_ok)
         tl.store(OPart + part[:, None] * LAT + offs_lat[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
     else:
-        # One split sees key 0, which every row may attend to, so l_i > 0.
+        # Unsharded, one split sees key 0, which every row may attend to, so l_i > 0. A Helix rank
+        # may own no key a row sees: output 0, LSE -inf.
+        if HELIX:
+            empty = l_i == 0.0
+            l_i = tl.where(empty, 1.0, l_i)
         o = acc / l_i[:, None]
         o_ptr = Out + t_row * stride_ot + head * stride_oh
         tl.store(o_ptr[:, None] + offs_lat[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        if STORE_LSE:
+            lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # log2 -> natural log
+            if HELIX:
+                lse = tl.where(empty, float("-inf"), lse)
+            tl.store(Lse + t_row * num_heads + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -211,12 +260,14 @@ def _mla_merge(
     OPart,  # [num_tokens, H, num_splits, LAT] fp32
     LsePart,  # [num_tokens, H, num_splits] fp32, log2 domain
     Out,  # [num_tokens, H, LAT]
+    Lse,  # [num_tokens, H] fp32, natural log (used when STORE_LSE)
     num_heads,
     num_splits,
     stride_ot,
     stride_oh,
     LAT: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -236,10 +287,16 @@ def _mla_merge(
         acc = acc * alpha[:, None] + w[:, None] * o
         total = total * alpha + w
         m = m_new
-    # total > 0 for every real row: the split holding key 0 is visible to all of them.
-    total = tl.where(head_ok, total, 1.0)
+    # Unsharded, total > 0 for every real row: the split holding key 0 is visible to all of them.
+    # Padding heads, and under Helix a row that sees none of this rank's keys, have total = 0:
+    # output 0, LSE -inf.
+    empty = total == 0.0
+    total = tl.where(empty, 1.0, total)
     o_ptr = Out + t * stride_ot + heads * stride_oh
     tl.store(o_ptr[:, None] + offs_d[None, :], (acc / total[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
+    if STORE_LSE:
+        lse = tl.where(empty, float("-inf"), (m + tl.log2(total)) * 0.6931471805599453)  # natural log
+        tl.store(Lse + t * num_heads + heads, lse, mask=head_ok)
 
 
 # Triton decides at decoration time whether a kernel is compiled or interpreted
@@ -363,9 +420,12 @@ class TritonMLAPlan:
         kv_lens: ``[num_seqs]`` int32
         q_start: first query row of each request in the phase. ``[num_seqs]`` int32
         q_lens: ``[num_seqs]`` int32
-        num_seqs, num_tokens, max_q_len, max_kv_len: host copies for the launch.
+        num_seqs, num_tokens, max_q_len: host copies for the launch.
+        max_kv_len: most keys one request reads here (under Helix: positions this rank owns).
         tokens_per_block: page size.
         num_sms: SMs of the device (1 on the interpreter).
+        shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard` (page tables
+            hold its pages only, ``kv_lens`` stay global); ``None``: unsharded.
     """
 
     page_table: torch.Tensor
@@ -378,6 +438,7 @@ class TritonMLAPlan:
     max_kv_len: int
     tokens_per_block: int
     num_sms: int
+    shard: Any = None
 
 
 class TritonMLABackend(AttentionBackend):
@@ -404,10 +465,11 @@ class TritonMLABackend(AttentionBackend):
 
         Limits: ``kind == "mla"`` (the pool's K-only latent layout, one KV head,
         V = the latent part of K); ``phase == "generation"`` (mixed or not);
-        ``max_q_len <= 16``; any head count; latent ``v_head_dim`` in
+        ``max_q_len <= 16``; any head count (under Helix, ``helix_cp > 1``: divisible
+        by ``helix_cp``, for the exchange by head); latent ``v_head_dim`` in
         16..512 and rope ``head_dim - v_head_dim`` in 16..64, powers of two;
-        pages of 16/32/64/128 tokens; no Helix; device cuda at a validated
-        arch (sm90) with q bf16 and KV bf16 or FP8 E4M3; or cpu (q fp32/bf16,
+        pages of 16/32/64/128 tokens; device cuda at a validated
+        arch (sm90; under Helix one of ``HELIX_VALIDATED_SM``) with q bf16 and KV bf16 or FP8 E4M3; or cpu (q fp32/bf16,
         KV fp32/bf16/FP8) only when the kernels were decorated under
         ``TRITON_INTERPRET=1`` and that interpreter computes them right
         (:func:`~specdec.attention.backends.triton_interp.interpreter_refusal`:
@@ -419,8 +481,9 @@ class TritonMLABackend(AttentionBackend):
             return no(f"phase must be 'generation' (decode/verify), got {shape.phase!r}")
         if shape.num_kv_heads != 1:
             return no(f"num_kv_heads must be 1 (one latent head), got {shape.num_kv_heads}")
-        if shape.helix_cp != 1:
-            return no(f"Helix (helix_cp={shape.helix_cp}) is not supported: no cross-rank LSE merge")
+        if shape.num_heads % shape.helix_cp:
+            return no(f"Helix exchanges partials by head: num_heads ({shape.num_heads}) must be divisible by "
+                      f"helix_cp ({shape.helix_cp})")
         if shape.max_q_len > MAX_Q_LEN:
             return no(f"max_q_len must be <= {MAX_Q_LEN}, got {shape.max_q_len}")
         latent, rope = shape.v_head_dim, shape.head_dim - shape.v_head_dim
@@ -451,6 +514,9 @@ class TritonMLABackend(AttentionBackend):
             return no(f"GPU arch sm={shape.sm} not validated (validated: {VALIDATED_SM})")
         if shape.kv_dtype == "float8_e4m3fn" and shape.sm < FP8_MIN_SM:
             return no(f"FP8 E4M3 cache needs sm >= {FP8_MIN_SM}, got sm={shape.sm}")
+        if shape.helix_cp > 1 and shape.sm not in HELIX_VALIDATED_SM:
+            return no(f"Helix on sm={shape.sm} not validated yet (validated: {HELIX_VALIDATED_SM}; "
+                      "gate: tests/test_triton_mla.py::TestGPU::test_helix_shards_*)")
         return YES
 
     def cost(self, shape: AttnShape) -> float:
@@ -460,13 +526,22 @@ class TritonMLABackend(AttentionBackend):
     # ------------------------------------------------------------------ plan / run
 
     def plan(self, batch: PhaseBatch) -> TritonMLAPlan:
-        """Upload the phase's page tables and lengths (the launch is chosen per layer by ``run``)."""
+        """Upload the phase's page tables and lengths (the launch is chosen per layer by ``run``).
+
+        Under Helix (``batch.shard`` with ``cp > 1``) the page tables are the rank's own and
+        ``kv_lens`` global; a request needs only the pages of the positions the rank owns.
+        """
         tpb, dev = batch.tokens_per_block, batch.device
         if tpb not in TOKENS_PER_BLOCK:
             raise ValueError(f"triton_mla: tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {tpb}")
+        shard = batch.shard if batch.shard is not None and batch.shard.cp > 1 else None
+        if shard is not None and shard.layout.tokens_per_block != tpb:
+            raise ValueError(f"triton_mla: the Helix layout's pages hold {shard.layout.tokens_per_block} tokens, "
+                             f"the batch's {tpb}")
         num_seqs = len(batch.q_lens)
-        pages = [-(-kv // tpb) for kv in batch.kv_lens]
-        max_pages = max(pages)
+        keys = batch.kv_lens if shard is None else [shard.layout.local_length(kv, shard.rank) for kv in batch.kv_lens]
+        pages = [-(-n // tpb) for n in keys]
+        max_pages = max(1, *pages)
         rows = []
         for i, (q_len, kv_len, n, pt) in enumerate(zip(batch.q_lens, batch.kv_lens, pages, batch.page_tables)):
             if not 1 <= q_len <= kv_len or len(pt) < n:
@@ -482,9 +557,10 @@ class TritonMLABackend(AttentionBackend):
             num_seqs=num_seqs,
             num_tokens=batch.num_tokens,
             max_q_len=max(batch.q_lens),
-            max_kv_len=max(batch.kv_lens),
+            max_kv_len=max(keys),
             tokens_per_block=tpb,
             num_sms=self._num_sms(dev),
+            shard=shard,
         )
 
     def launch_config(self, plan: TritonMLAPlan, num_heads: int, *, kv_bytes: int = 2,
@@ -526,6 +602,11 @@ class TritonMLABackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attend the phase's queries over the latent cache.
 
+        Unsharded: one :meth:`attend`. Under Helix (a plan with a shard) every rank of the
+        group must call this for the same phase: each attends over its own pages, the partials
+        and their LSEs are exchanged by head and combined exactly
+        (:func:`~specdec.parallel.helix.exchange_heads`), and the heads gathered back.
+
         Args:
             plan: from :meth:`plan`.
             q: ``[num_tokens, H, latent + rope]``, bf16 or fp32.
@@ -543,6 +624,49 @@ class TritonMLABackend(AttentionBackend):
         """
         if v_cache is not None:
             raise ValueError("triton_mla reads V from the latent cache; v_cache must be None")
+        if plan.shard is None:
+            return self.attend(plan, q, k_cache, scale, v_head_dim, kv_scale=kv_scale)
+        # fp32 partials, as helix_ref's: the combine adds no rounding step.
+        out, lse = self.attend(plan, q, k_cache, scale, v_head_dim, kv_scale=kv_scale, return_lse=True,
+                               out_dtype=torch.float32)  # [T, H, Dv], [T, H]
+        head_slice = exchange_heads(out, lse, plan.shard.group)  # [T, H / cp, Dv] fp32
+        return gather_heads(head_slice.to(q.dtype), plan.shard.group)  # [T, H, Dv]
+
+    def attend(
+        self,
+        plan: TritonMLAPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        scale: float,
+        v_head_dim: int,
+        *,
+        kv_scale: float = 1.0,
+        return_lse: bool = False,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Launch the kernels over the pages of ``plan`` (under Helix: this rank's, a partial result).
+
+        Args:
+            plan: from :meth:`plan`.
+            q: ``[num_tokens, H, latent + rope]``, bf16 or fp32.
+            k_cache: ``[num_slots, 1, latent + rope]`` latent cache (bf16, fp32 or FP8 E4M3).
+            scale: softmax scale, explicit.
+            v_head_dim: latent width.
+            kv_scale: per-tensor dequantisation scale of the cache.
+            return_lse: also return each row's log-sum-exp (one more store; nothing else changes).
+            out_dtype: dtype of the output; ``None``: ``q``'s.
+
+        Returns:
+            ``out`` ``[num_tokens, H, latent]`` normalised over the keys attended, or with
+            ``return_lse`` ``(out, lse)``, ``lse`` ``[num_tokens, H]`` fp32: the natural-log
+            log-sum-exp of the scaled scores (``scale * kv_scale * q . k``), as
+            :func:`~specdec.parallel.helix.mla_attention_lse` and
+            :func:`~specdec.parallel.helix.combine_partials` use. A row that sees no key (under
+            Helix: none of this rank's) has ``out = 0`` and ``lse = -inf``.
+
+        Raises:
+            ValueError: shapes that do not match the plan.
+        """
         num_tokens, num_heads, head_dim = q.shape
         if num_tokens != plan.num_tokens or k_cache.shape[1:] != (1, head_dim):
             raise ValueError(
@@ -557,17 +681,19 @@ class TritonMLABackend(AttentionBackend):
         launch = self.launch_config(plan, num_heads, kv_bytes=k_cache.element_size(),
                                     fp8_with_bf16_q=fp8 and q.dtype == torch.bfloat16)
         splits = launch.num_splits
-        out = q.new_empty(num_tokens, num_heads, v_head_dim)
+        out = torch.empty(num_tokens, num_heads, v_head_dim, dtype=out_dtype or q.dtype, device=q.device)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else out
         if splits > 1:
             o_part = torch.empty(num_tokens, num_heads, splits, v_head_dim, dtype=torch.float32, device=q.device)
             lse_part = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
         else:
             o_part = lse_part = out  # unused
+        cp, rank = (plan.shard.cp, plan.shard.rank) if plan.shard is not None else (1, 0)
         _mla_stage1[(launch.row_blocks, splits, plan.num_seqs)](
-            q, k_cache, out, o_part, lse_part,
+            q, k_cache, out, o_part, lse_part, lse,
             plan.page_table, plan.kv_lens, plan.q_start, plan.q_lens,
             scale * kv_scale * _LOG2E, kv_scale,
-            num_heads, splits,
+            num_heads, splits, cp, rank,
             q.stride(0), q.stride(1), k_cache.stride(0), out.stride(0), out.stride(1), plan.page_table.stride(0),
             LAT=v_head_dim,
             ROPE=head_dim - v_head_dim,
@@ -577,13 +703,15 @@ class TritonMLABackend(AttentionBackend):
             SPLIT=splits > 1,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             FP16_DOTS=launch.fp16_dots,
+            STORE_LSE=return_lse,
+            HELIX=plan.shard is not None,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
         )  # fmt: skip
         if splits > 1:
             block_h = min(16, triton.next_power_of_2(num_heads))
             _mla_merge[(num_tokens, triton.cdiv(num_heads, block_h))](
-                o_part, lse_part, out, num_heads, splits, out.stride(0), out.stride(1),
-                LAT=v_head_dim, BLOCK_H=block_h, num_warps=4,
+                o_part, lse_part, out, lse, num_heads, splits, out.stride(0), out.stride(1),
+                LAT=v_head_dim, BLOCK_H=block_h, STORE_LSE=return_lse, num_warps=4,
             )  # fmt: skip
-        return out
+        return (out, lse) if return_lse else out
