@@ -180,7 +180,7 @@ def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
         sel = torch.tensor(by_p, dtype=torch.long).to(dev, non_blocking=True)
         lims = torch.tensor([[ks[i] for i in by_p]], dtype=torch.long).to(dev, non_blocking=True)  # [1, P]
         ps = torch.tensor([top_p[i] for i in by_p], dtype=torch.float32).to(dev, non_blocking=True)  # [P]
-        srt, order = z.index_select(0, sel).sort(dim=-1, descending=True, stable=True)  # [P, vocab] each
+        srt, order = _sort_descending(z.index_select(0, sel))  # [P, vocab] each
         rank = torch.arange(vocab, device=dev)  # [vocab]
         drop = rank[None, :] >= lims[0][:, None]  # [P, vocab], sorted order: top-k
         probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [P, vocab], sorted
@@ -201,6 +201,28 @@ def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
         thr.index_copy_(0, sel, t[:, 0])
         icut.index_copy_(0, sel, (eq.cumsum(dim=-1) < ties[:, None]).sum(dim=-1).int())
     return thr, icut
+
+
+SORT_ROWS = 127
+"""Most rows :func:`row_cutoffs` sorts in one ``torch.sort`` call. On CUDA, torch sorts a batch of 128
+rows or more with cub's segmented radix sort, one thread block per row, which is slow for long
+rows (a vocabulary), and fewer rows with two device-wide radix sorts (values, then row index); a
+stable sort's result is unique, so the chunks give exactly the one-call result."""
+
+
+def _sort_descending(z: torch.Tensor, chunk: int = SORT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z.sort(dim=-1, descending=True, stable=True)`` of ``z`` ``[P, vocab]``, at most ``chunk`` rows
+    per call (balanced chunks: 144 rows are two sorts of 72)."""
+    n_rows = z.shape[0]
+    if n_rows <= chunk:
+        return z.sort(dim=-1, descending=True, stable=True)
+    values, indices = torch.empty_like(z), torch.empty(z.shape, dtype=torch.long, device=z.device)
+    start = 0
+    for c in z.tensor_split(-(-n_rows // chunk), dim=0):  # sorted in place into row slices: no concatenation
+        torch.sort(c, dim=-1, descending=True, stable=True, out=(values[start:start + len(c)],
+                                                                  indices[start:start + len(c)]))
+        start += len(c)
+    return values, indices
 
 
 def apply_cutoffs(z: torch.Tensor, cutoffs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
