@@ -16,7 +16,9 @@ where the column says host):
 
   h2d            the small host-to-device copies sample_rows and row_cutoffs make (host time)
   scale          ``logits[rows].float() / temperature``, the input of the cutoffs
-  sort           the stable descending sort of every sampled row, as row_cutoffs runs it
+  sort           the stable descending sort of every sampled row in one torch.sort call (as
+                 row_cutoffs ran it before: 128 rows or more take cub's segmented sort on CUDA)
+  sort chunked   the same sort as row_cutoffs runs it now (at most 127 rows a call; same result)
   row_cutoffs    the top-p cutoffs in all (sort, softmax, cumsum, gathers)
   kernel 1st     the Triton kernel's first call at this row count (compilation included, CUDA only)
   kernel         the Triton kernel, steady state (CUDA only)
@@ -108,14 +110,10 @@ def row_sampling(n_sampled: int, limits: str) -> tuple[smp.RowSampling, int]:
 
 def h2d_copies(sampling: smp.RowSampling, dev: torch.device) -> None:
     """The host-to-device copies sample_rows (and row_cutoffs for top-p rows) makes, as it makes them."""
-    ints = torch.tensor([sampling.rows, sampling.keys, sampling.positions, sampling.drafts], dtype=torch.long)
-    ints.to(dev, non_blocking=True)
-    torch.tensor(sampling.temperature, dtype=torch.float32).to(dev, non_blocking=True)
+    smp._to_device([sampling.rows, sampling.keys, sampling.positions, sampling.drafts], [sampling.temperature], dev)
     by_p = [i for i, p in enumerate(sampling.top_p) if p < 1.0]
     if by_p:
-        torch.tensor(by_p, dtype=torch.long).to(dev, non_blocking=True)
-        torch.tensor([[sampling.top_k[i] for i in by_p]], dtype=torch.long).to(dev, non_blocking=True)
-        torch.tensor([sampling.top_p[i] for i in by_p], dtype=torch.float32).to(dev, non_blocking=True)
+        smp._to_device([by_p, [sampling.top_k[i] for i in by_p]], [[sampling.top_p[i] for i in by_p]], dev)
 
 
 def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.device, has_kernel: bool) -> dict:
@@ -136,6 +134,7 @@ def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.devi
     out["scale_ms"] = timed(lambda: smp._scaled(logits, rows, temp), dev, it)
     if cut is not None:
         out["sort_ms"] = timed(lambda: z.sort(dim=-1, descending=True, stable=True), dev, it)
+        out["sort_chunked_ms"] = timed(lambda: smp._sort_descending(z), dev, it)
         out["row_cutoffs_ms"] = timed(lambda: smp.row_cutoffs(z, sampling.top_k, sampling.top_p), dev, it)
     if has_kernel:
         from specdec import sampling_kernel as sk
@@ -294,7 +293,7 @@ def main() -> None:
                         f"temperature {TEMPERATURE}, top-p {TOP_P} / none", f"median of {args.iters}",
                         f"e2e: {'random 2-layer Llama' if args.quick else args.target} {args.dtype}, "
                         f"batch {args.batch_size}, {args.max_new_tokens} new tokens, k {args.k}")
-    cols = ["rows", "dtype", "limits", "h2d_host_ms", "scale_ms", "sort_ms", "row_cutoffs_ms", "kernel_first_ms",
+    cols = ["rows", "dtype", "limits", "h2d_host_ms", "scale_ms", "sort_ms", "sort_chunked_ms", "row_cutoffs_ms", "kernel_first_ms",
             "kernel_ms", "torch_path_ms", "sample_rows_host_ms", "sample_rows_ms", "kernel_equals_torch"]
     md = [header, "", "## sample_rows, part by part (ms)", "",
           "| " + " | ".join(c.removesuffix("_ms").replace("_", " ") + (" (host)" if "host" in c else "")

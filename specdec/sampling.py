@@ -177,23 +177,24 @@ def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
     by_p = [i for i, p in enumerate(top_p) if p < 1.0]
     by_k = [i for i, (k, p) in enumerate(zip(ks, top_p)) if k < vocab and not p < 1.0]
     if by_p:
-        sel = torch.tensor(by_p, dtype=torch.long).to(dev, non_blocking=True)
-        lims = torch.tensor([[ks[i] for i in by_p]], dtype=torch.long).to(dev, non_blocking=True)  # [1, P]
-        ps = torch.tensor([top_p[i] for i in by_p], dtype=torch.float32).to(dev, non_blocking=True)  # [P]
+        (sel, lims), (ps,) = _to_device([by_p, [ks[i] for i in by_p]], [[top_p[i] for i in by_p]], dev)  # [P] each
         srt, order = _sort_descending(z.index_select(0, sel))  # [P, vocab] each
-        rank = torch.arange(vocab, device=dev)  # [vocab]
-        drop = rank[None, :] >= lims[0][:, None]  # [P, vocab], sorted order: top-k
-        probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [P, vocab], sorted
+        if any(ks[i] < vocab for i in by_p):
+            rank = torch.arange(vocab, device=dev)  # [vocab]
+            drop = rank[None, :] >= lims[:, None]  # [P, vocab], sorted order: top-k
+            probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [P, vocab], sorted
+        else:  # no top-k: the mask would drop nothing (the same probabilities, two [P, vocab] passes fewer)
+            drop, probs = None, srt.softmax(dim=-1)
         cumulative = probs.cumsum(dim=-1)
         mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)  # [P, vocab]
-        drop |= mass_before >= ps[:, None]  # top-p over the top-k renormalised mass
+        by_mass = mass_before >= ps[:, None]  # top-p over the top-k renormalised mass
+        drop = by_mass if drop is None else drop | by_mass
         drop[:, 0] = False  # the top token always survives
         last = ((~drop).sum(dim=-1, keepdim=True) - 1)  # [P, 1]: the kept prefix is ranks 0..last
         thr.index_copy_(0, sel, srt.gather(1, last)[:, 0])
         icut.index_copy_(0, sel, order.gather(1, last)[:, 0].int())  # stable: the largest kept tie
     if by_k:
-        sel = torch.tensor(by_k, dtype=torch.long).to(dev, non_blocking=True)
-        k = torch.tensor([ks[i] for i in by_k], dtype=torch.long).to(dev, non_blocking=True)  # [K]
+        (sel, k), _ = _to_device([by_k, [ks[i] for i in by_k]], [], dev)  # [K] each
         zk = z.index_select(0, sel)  # [K, vocab]
         t = zk.topk(max(ks[i] for i in by_k), dim=-1).values.gather(1, (k - 1)[:, None])  # [K, 1]: k-th value
         ties = k - (zk > t).sum(dim=-1)  # [K]: how many tokens equal to t top-k keeps, in index order
@@ -223,6 +224,22 @@ def _sort_descending(z: torch.Tensor, chunk: int = SORT_ROWS) -> tuple[torch.Ten
                                                                   indices[start:start + len(c)]))
         start += len(c)
     return values, indices
+
+
+def _to_device(ints: Sequence[Sequence[int]], floats: Sequence[Sequence[float]],
+               dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Equal-length host lists on the device in one copy: ``(int64 [len(ints), n], fp32 [len(floats), n])``.
+
+    The fp32 values travel as their bits in int64 lanes (exact), so a step makes one small
+    host-to-device copy rather than one per list."""
+    n = len(ints[0]) if ints else len(floats[0])
+    host = torch.empty(len(ints) + len(floats), n, dtype=torch.long)
+    if ints:
+        host[:len(ints)] = torch.tensor(ints, dtype=torch.long)
+    if floats:
+        host[len(ints):] = torch.tensor(floats, dtype=torch.float32).view(torch.int32)
+    packed = host.to(dev, non_blocking=True)  # [ints + floats, n]
+    return packed[:len(ints)], packed[len(ints):].to(torch.int32).view(torch.float32)
 
 
 def apply_cutoffs(z: torch.Tensor, cutoffs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -322,10 +339,8 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
     if not sampling:
         return argmax
     dev, vocab = logits.device, logits.shape[-1]
-    ints = torch.tensor([sampling.rows, sampling.keys, sampling.positions, sampling.drafts],
-                        dtype=torch.long).to(dev, non_blocking=True)  # [4, S]
-    temperature = torch.tensor(sampling.temperature, dtype=torch.float32).to(dev, non_blocking=True)  # [S]
-    rows, keys, positions, drafts = ints
+    (rows, keys, positions, drafts), (temperature,) = _to_device(
+        [sampling.rows, sampling.keys, sampling.positions, sampling.drafts], [sampling.temperature], dev)  # [S] each
     limited = [i for i, (k, p) in enumerate(zip(sampling.top_k, sampling.top_p)) if 0 < k < vocab or p < 1.0]
     cutoffs = None
     if limited:  # cutoffs from the rows that ask for a limit (host-known: no synchronisation)
