@@ -1,7 +1,9 @@
 """Where a sampled step's time goes: each part of :func:`specdec.sampling.sample_rows`, then end to end.
 
-    python bench/sampling_profile.py --device cuda --out OUT/sampling_profile        # the H200
-    python bench/sampling_profile.py --quick                                          # CPU, a check of the script
+    python bench/sampling_profile.py --device cuda --out /root/out/sampling_profile        # the H200
+    python bench/sampling_profile.py --device cuda --spec-bench .evaldata/question.jsonl \
+        --out /root/out/sampling_profile_specbench              # the H200, the prompts of bench/sampling_mix.py
+    python bench/sampling_profile.py --quick                                          # CPU, a check of the script (~20 s)
 
 Part 1, micro: ``S`` sampled rows (``--rows``, default 16, 32, 144, 288: the null and suffix drafters'
 sampled rows at batch 32 with half / all requests sampled; 144 and 288 as 16 and 32 requests of
@@ -14,7 +16,12 @@ half-sampled batch) in each dtype of ``--dtypes``, with two sets of limits:
 Timed parts (median of ``--iters`` after one untimed call; device time, synchronised, except
 where the column says host):
 
-  h2d            the small host-to-device copies sample_rows and row_cutoffs make (host time)
+  h2d            the small host-to-device copies sample_rows and row_cutoffs make (host time):
+                 one pinned copy for sample_rows' vectors, one for row_cutoffs' top-p rows;
+                 "behind busy": the same queued behind ~1 ms of GPU work (torch.cuda._sleep),
+                 and the five pageable copies they replaced: a host time near 1 ms means the
+                 copy waited for the stream (the GPU then idles while the rest of the sampled
+                 path is launched)
   scale          ``logits[rows].float() / temperature``, the input of the cutoffs
   sort           the stable descending sort of every sampled row in one torch.sort call (as
                  row_cutoffs ran it before: 128 rows or more take cub's segmented sort on CUDA)
@@ -116,6 +123,18 @@ def h2d_copies(sampling: smp.RowSampling, dev: torch.device) -> None:
         smp._to_device([by_p, [sampling.top_k[i] for i in by_p]], [[sampling.top_p[i] for i in by_p]], dev)
 
 
+def h2d_pageable(sampling: smp.RowSampling, dev: torch.device) -> None:
+    """The copies as sample_rows made them before: five, from pageable memory."""
+    torch.tensor([sampling.rows, sampling.keys, sampling.positions, sampling.drafts],
+                 dtype=torch.long).to(dev, non_blocking=True)
+    torch.tensor(sampling.temperature, dtype=torch.float32).to(dev, non_blocking=True)
+    by_p = [i for i, p in enumerate(sampling.top_p) if p < 1.0]
+    if by_p:
+        torch.tensor(by_p, dtype=torch.long).to(dev, non_blocking=True)
+        torch.tensor([[sampling.top_k[i] for i in by_p]], dtype=torch.long).to(dev, non_blocking=True)
+        torch.tensor([sampling.top_p[i] for i in by_p], dtype=torch.float32).to(dev, non_blocking=True)
+
+
 def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.device, has_kernel: bool) -> dict:
     """Times of each part of sample_rows for one (row count, dtype, limits)."""
     sampling, n_rows = row_sampling(n_sampled, limits)
@@ -131,6 +150,14 @@ def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.devi
            "verified_rows": n_rows}
     it = args.iters
     out["h2d_host_ms"] = host_timed(lambda: h2d_copies(sampling, dev), dev, it)
+    if dev.type == "cuda":  # the same copies queued behind ~1 ms of GPU work: does the host wait for it?
+        def behind(copies):
+            def run():
+                torch.cuda._sleep(2_000_000)  # about 1 ms of clock cycles on the stream
+                copies()
+            return run
+        out["h2d_behind_busy_host_ms"] = host_timed(behind(lambda: h2d_copies(sampling, dev)), dev, it)
+        out["h2d_pageable_behind_busy_host_ms"] = host_timed(behind(lambda: h2d_pageable(sampling, dev)), dev, it)
     out["scale_ms"] = timed(lambda: smp._scaled(logits, rows, temp), dev, it)
     if cut is not None:
         out["sort_ms"] = timed(lambda: z.sort(dim=-1, descending=True, stable=True), dev, it)
@@ -194,7 +221,7 @@ def random_target(vocab: int, path: Path):
     return load_target(path)
 
 
-def e2e(target, drafter: str, mix: str, kernel: bool | None, prompts, args) -> dict:
+def e2e(target, drafter: str, mix: str, kernel: bool | None, prompts, max_kv_len: int, args) -> dict:
     """One engine run: untimed first pass, then the timed pass; ms per step and the forward share."""
     n = len(prompts)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True,
@@ -205,7 +232,7 @@ def e2e(target, drafter: str, mix: str, kernel: bool | None, prompts, args) -> d
     saved, smp.USE_KERNEL = smp.USE_KERNEL, kernel
     try:
         if hasattr(engine, "capture_graphs") and target.device.type == "cuda":
-            engine.capture_graphs(progress=False)
+            engine.capture_graphs(max_kv_len=max_kv_len, progress=False)
         engine.generate(prompts, params)  # untimed: compilation, first-use costs
         engine.timings.update({k: 0 for k in engine.timings})
         _sync(target.device)
@@ -284,16 +311,25 @@ def main() -> None:
             gen = torch.Generator().manual_seed(0)
             prompts = torch.randint(0, min(target.vocab_size, 32000), (args.batch_size, args.prompt_len),
                                     generator=gen).tolist()
+        if prompts and isinstance(prompts[0], str):  # the chat prompts' token counts, as the engine builds them
+            tok = target.tokenizer
+            longest = max(len(tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                          add_generation_prompt=True),
+                                  add_special_tokens=False)["input_ids"]) for p in prompts)
+        else:
+            longest = max(len(p) for p in prompts)
+        max_kv_len = longest + args.max_new_tokens + args.k + 1
         for drafter in args.drafters.split(","):
             for mix, kernel in (("greedy", None), ("half", None), ("half", False)):
                 print(f"e2e: {drafter} {mix} {kernel} ...", file=sys.stderr, flush=True)
-                e2e_res.append(e2e(target, drafter, mix, kernel, prompts, args))
+                e2e_res.append(e2e(target, drafter, mix, kernel, prompts, max_kv_len, args))
 
     header = run_header(args.device, f"vocab {args.vocab}", f"sampled rows {args.rows}",
                         f"temperature {TEMPERATURE}, top-p {TOP_P} / none", f"median of {args.iters}",
                         f"e2e: {'random 2-layer Llama' if args.quick else args.target} {args.dtype}, "
                         f"batch {args.batch_size}, {args.max_new_tokens} new tokens, k {args.k}")
-    cols = ["rows", "dtype", "limits", "h2d_host_ms", "scale_ms", "sort_ms", "sort_chunked_ms", "row_cutoffs_ms", "kernel_first_ms",
+    cols = ["rows", "dtype", "limits", "h2d_host_ms", "h2d_behind_busy_host_ms", "h2d_pageable_behind_busy_host_ms",
+            "scale_ms", "sort_ms", "sort_chunked_ms", "row_cutoffs_ms", "kernel_first_ms",
             "kernel_ms", "torch_path_ms", "sample_rows_host_ms", "sample_rows_ms", "kernel_equals_torch"]
     md = [header, "", "## sample_rows, part by part (ms)", "",
           "| " + " | ".join(c.removesuffix("_ms").replace("_", " ") + (" (host)" if "host" in c else "")

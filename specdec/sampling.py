@@ -231,9 +231,12 @@ def _to_device(ints: Sequence[Sequence[int]], floats: Sequence[Sequence[float]],
     """Equal-length host lists on the device in one copy: ``(int64 [len(ints), n], fp32 [len(floats), n])``.
 
     The fp32 values travel as their bits in int64 lanes (exact), so a step makes one small
-    host-to-device copy rather than one per list."""
+    host-to-device copy rather than one per list. On CUDA the host side is pinned (torch's caching
+    host allocator, which keeps the block until the copy is done): a copy from pageable memory may
+    wait for the work already queued on the stream (the step's forward), leaving the GPU idle
+    while the rest of the sampled path is launched."""
     n = len(ints[0]) if ints else len(floats[0])
-    host = torch.empty(len(ints) + len(floats), n, dtype=torch.long)
+    host = torch.empty(len(ints) + len(floats), n, dtype=torch.long, pin_memory=dev.type == "cuda")
     if ints:
         host[:len(ints)] = torch.tensor(ints, dtype=torch.long)
     if floats:
@@ -347,7 +350,7 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
         if len(limited) == len(sampling):
             cutoffs = row_cutoffs(_scaled(logits, rows, temperature), sampling.top_k, sampling.top_p)
         else:
-            sel = torch.tensor(limited, dtype=torch.long).to(dev, non_blocking=True)
+            sel = _to_device([limited], [], dev)[0][0]  # [L]
             sub = row_cutoffs(_scaled(logits, rows.index_select(0, sel), temperature.index_select(0, sel)),
                               [sampling.top_k[i] for i in limited], [sampling.top_p[i] for i in limited])
             cutoffs = (torch.full((len(sampling),), float("-inf"), device=dev).index_copy_(0, sel, sub[0]),
@@ -361,8 +364,8 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
             z = apply_cutoffs(z, cutoffs)
         tokens = (z + gumbel_noise(keys, positions, vocab)).argmax(dim=-1)  # [S]
     if sampling.draft_probs:
-        sel = torch.tensor([first + i for first, q in sampling.draft_probs for i in range(q.shape[0])],
-                           dtype=torch.long).to(dev, non_blocking=True)  # [Q]
+        sel = _to_device([[first + i for first, q in sampling.draft_probs for i in range(q.shape[0])]], [],
+                         dev)[0][0]  # [Q]
         if z is not None:
             zq = z.index_select(0, sel)
         else:
