@@ -177,23 +177,24 @@ def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
     by_p = [i for i, p in enumerate(top_p) if p < 1.0]
     by_k = [i for i, (k, p) in enumerate(zip(ks, top_p)) if k < vocab and not p < 1.0]
     if by_p:
-        sel = torch.tensor(by_p, dtype=torch.long).to(dev, non_blocking=True)
-        lims = torch.tensor([[ks[i] for i in by_p]], dtype=torch.long).to(dev, non_blocking=True)  # [1, P]
-        ps = torch.tensor([top_p[i] for i in by_p], dtype=torch.float32).to(dev, non_blocking=True)  # [P]
-        srt, order = z.index_select(0, sel).sort(dim=-1, descending=True, stable=True)  # [P, vocab] each
-        rank = torch.arange(vocab, device=dev)  # [vocab]
-        drop = rank[None, :] >= lims[0][:, None]  # [P, vocab], sorted order: top-k
-        probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [P, vocab], sorted
+        (sel, lims), (ps,) = _to_device([by_p, [ks[i] for i in by_p]], [[top_p[i] for i in by_p]], dev)  # [P] each
+        srt, order = _sort_descending(z.index_select(0, sel))  # [P, vocab] each
+        if any(ks[i] < vocab for i in by_p):
+            rank = torch.arange(vocab, device=dev)  # [vocab]
+            drop = rank[None, :] >= lims[:, None]  # [P, vocab], sorted order: top-k
+            probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [P, vocab], sorted
+        else:  # no top-k: the mask would drop nothing (the same probabilities, two [P, vocab] passes fewer)
+            drop, probs = None, srt.softmax(dim=-1)
         cumulative = probs.cumsum(dim=-1)
         mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)  # [P, vocab]
-        drop |= mass_before >= ps[:, None]  # top-p over the top-k renormalised mass
+        by_mass = mass_before >= ps[:, None]  # top-p over the top-k renormalised mass
+        drop = by_mass if drop is None else drop | by_mass
         drop[:, 0] = False  # the top token always survives
         last = ((~drop).sum(dim=-1, keepdim=True) - 1)  # [P, 1]: the kept prefix is ranks 0..last
         thr.index_copy_(0, sel, srt.gather(1, last)[:, 0])
         icut.index_copy_(0, sel, order.gather(1, last)[:, 0].int())  # stable: the largest kept tie
     if by_k:
-        sel = torch.tensor(by_k, dtype=torch.long).to(dev, non_blocking=True)
-        k = torch.tensor([ks[i] for i in by_k], dtype=torch.long).to(dev, non_blocking=True)  # [K]
+        (sel, k), _ = _to_device([by_k, [ks[i] for i in by_k]], [], dev)  # [K] each
         zk = z.index_select(0, sel)  # [K, vocab]
         t = zk.topk(max(ks[i] for i in by_k), dim=-1).values.gather(1, (k - 1)[:, None])  # [K, 1]: k-th value
         ties = k - (zk > t).sum(dim=-1)  # [K]: how many tokens equal to t top-k keeps, in index order
@@ -201,6 +202,47 @@ def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
         thr.index_copy_(0, sel, t[:, 0])
         icut.index_copy_(0, sel, (eq.cumsum(dim=-1) < ties[:, None]).sum(dim=-1).int())
     return thr, icut
+
+
+SORT_ROWS = 127
+"""Most rows :func:`row_cutoffs` sorts in one ``torch.sort`` call. On CUDA, torch sorts a batch of 128
+rows or more with cub's segmented radix sort, one thread block per row, which is slow for long
+rows (a vocabulary), and fewer rows with two device-wide radix sorts (values, then row index); a
+stable sort's result is unique, so the chunks give exactly the one-call result."""
+
+
+def _sort_descending(z: torch.Tensor, chunk: int = SORT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z.sort(dim=-1, descending=True, stable=True)`` of ``z`` ``[P, vocab]``, at most ``chunk`` rows
+    per call (balanced chunks: 144 rows are two sorts of 72)."""
+    n_rows = z.shape[0]
+    if n_rows <= chunk:
+        return z.sort(dim=-1, descending=True, stable=True)
+    values, indices = torch.empty_like(z), torch.empty(z.shape, dtype=torch.long, device=z.device)
+    start = 0
+    for c in z.tensor_split(-(-n_rows // chunk), dim=0):  # sorted in place into row slices: no concatenation
+        torch.sort(c, dim=-1, descending=True, stable=True, out=(values[start:start + len(c)],
+                                                                  indices[start:start + len(c)]))
+        start += len(c)
+    return values, indices
+
+
+def _to_device(ints: Sequence[Sequence[int]], floats: Sequence[Sequence[float]],
+               dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Equal-length host lists on the device in one copy: ``(int64 [len(ints), n], fp32 [len(floats), n])``.
+
+    The fp32 values travel as their bits in int64 lanes (exact), so a step makes one small
+    host-to-device copy rather than one per list. On CUDA the host side is pinned (torch's caching
+    host allocator, which keeps the block until the copy is done): a copy from pageable memory may
+    wait for the work already queued on the stream (the step's forward), leaving the GPU idle
+    while the rest of the sampled path is launched."""
+    n = len(ints[0]) if ints else len(floats[0])
+    host = torch.empty(len(ints) + len(floats), n, dtype=torch.long, pin_memory=dev.type == "cuda")
+    if ints:
+        host[:len(ints)] = torch.tensor(ints, dtype=torch.long)
+    if floats:
+        host[len(ints):] = torch.tensor(floats, dtype=torch.float32).view(torch.int32)
+    packed = host.to(dev, non_blocking=True)  # [ints + floats, n]
+    return packed[:len(ints)], packed[len(ints):].to(torch.int32).view(torch.float32)
 
 
 def apply_cutoffs(z: torch.Tensor, cutoffs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -300,17 +342,15 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
     if not sampling:
         return argmax
     dev, vocab = logits.device, logits.shape[-1]
-    ints = torch.tensor([sampling.rows, sampling.keys, sampling.positions, sampling.drafts],
-                        dtype=torch.long).to(dev, non_blocking=True)  # [4, S]
-    temperature = torch.tensor(sampling.temperature, dtype=torch.float32).to(dev, non_blocking=True)  # [S]
-    rows, keys, positions, drafts = ints
+    (rows, keys, positions, drafts), (temperature,) = _to_device(
+        [sampling.rows, sampling.keys, sampling.positions, sampling.drafts], [sampling.temperature], dev)  # [S] each
     limited = [i for i, (k, p) in enumerate(zip(sampling.top_k, sampling.top_p)) if 0 < k < vocab or p < 1.0]
     cutoffs = None
     if limited:  # cutoffs from the rows that ask for a limit (host-known: no synchronisation)
         if len(limited) == len(sampling):
             cutoffs = row_cutoffs(_scaled(logits, rows, temperature), sampling.top_k, sampling.top_p)
         else:
-            sel = torch.tensor(limited, dtype=torch.long).to(dev, non_blocking=True)
+            sel = _to_device([limited], [], dev)[0][0]  # [L]
             sub = row_cutoffs(_scaled(logits, rows.index_select(0, sel), temperature.index_select(0, sel)),
                               [sampling.top_k[i] for i in limited], [sampling.top_p[i] for i in limited])
             cutoffs = (torch.full((len(sampling),), float("-inf"), device=dev).index_copy_(0, sel, sub[0]),
@@ -324,8 +364,8 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
             z = apply_cutoffs(z, cutoffs)
         tokens = (z + gumbel_noise(keys, positions, vocab)).argmax(dim=-1)  # [S]
     if sampling.draft_probs:
-        sel = torch.tensor([first + i for first, q in sampling.draft_probs for i in range(q.shape[0])],
-                           dtype=torch.long).to(dev, non_blocking=True)  # [Q]
+        sel = _to_device([[first + i for first, q in sampling.draft_probs for i in range(q.shape[0])]], [],
+                         dev)[0][0]  # [Q]
         if z is not None:
             zq = z.index_select(0, sel)
         else:

@@ -90,7 +90,14 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+# Few compiled variants as the step's row count changes: one per blocks-per-split (a power of two,
+# BLOCKS) and (stream, masked, store). The splits are never specialised (Triton would compile apart
+# n_splits == 1 and multiples of 16), nor the alignment of the per-row vectors, read one scalar a
+# program (the keys and positions are rows of one [4, S] tensor: 16-byte aligned only for even S).
+_SCALAR_PTRS = ["ROWS", "TEMP", "THR", "ICUT", "KEYS", "POS", "PART_VAL", "PART_IDX"]
+
+
+@triton.jit(do_not_specialize=["n_splits"], do_not_specialize_on_alignment=_SCALAR_PTRS)
 def _sample_split_kernel(
     LOGITS, stride_row, ROWS, TEMP, THR, ICUT, KEYS, POS, PART_VAL, PART_IDX, PERTURBED,
     vocab, n_splits,
@@ -137,7 +144,7 @@ def _sample_split_kernel(
     tl.store(PART_IDX + s * n_splits + split, best_idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"], do_not_specialize_on_alignment=["PART_VAL", "PART_IDX", "OUT"])
 def _reduce_splits_kernel(PART_VAL, PART_IDX, OUT, n_splits, SPLITS: tl.constexpr):
     s = tl.program_id(0)
     offs = tl.arange(0, SPLITS)
@@ -190,6 +197,7 @@ def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.T
         logits, logits.stride(0), rows, temperature, thr, icut, keys, positions, part_val, part_idx,
         perturbed if store else part_val, vocab, splits,
         STREAM=stream, MASKED=cutoffs is not None, STORE=store, BLOCKS=blocks, BLOCK=BLOCK)
+    # SPLITS from the vocabulary alone (the most splits it can have): one variant for every row count
     _reduce_splits_kernel[(n_rows,)](part_val, part_idx, tokens, splits,
-                                     SPLITS=max(2, triton.next_power_of_2(splits)))
+                                     SPLITS=max(2, triton.next_power_of_2(triton.cdiv(vocab, BLOCK))))
     return tokens, perturbed
