@@ -8,7 +8,7 @@
 #                                       # checkpoints there); weights, training.json and plots come back
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
-# Knobs: MAGPIE, CODE (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
+# Knobs: MAGPIE, CODE, GROUNDED (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
 # SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
 # for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs);
 # LR (peak learning rate, default 1e-3).
@@ -30,7 +30,8 @@ for part in "$@"; do
     data)
       timeout 560 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
-        --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
+        --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" \
+        --num-grounded "${GROUNDED:-10000}" --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
     train)
       for kind in dflash dspark; do

@@ -345,6 +345,26 @@ def test_code_prompts_are_seeded_and_come_from_library_functions():
     assert code_prompts(30, seed=5, workers=1) != a
 
 
+def test_grounded_prompts_put_a_self_written_passage_in_a_seeded_task(smollm2):
+    """The ``grounded`` source: the target writes passages, each becomes one task over it (the
+    passage verbatim in the prompt); the same seed gives the same tasks."""
+    from specdec import SpecEngine
+    from specdec.drafters.data import _GROUNDED_TASKS, grounded_prompt, grounded_prompts
+
+    a, b = random.Random(3), random.Random(3)
+    passage = "The river rose after three days of rain. " * 6
+    got = [grounded_prompt(passage, "rivers", a) for _ in range(40)]
+    assert got == [grounded_prompt(passage, "rivers", b) for _ in range(40)]
+    assert all(passage.strip() in g for g in got) and len({g.split("\n")[0] for g in got}) > 5
+    assert len({t.split("{p}")[0] for t in _GROUNDED_TASKS}) == len(_GROUNDED_TASKS)
+    with SpecEngine(smollm2, max_num_seqs=8) as engine:
+        tasks = grounded_prompts(engine, 3, seed=1, passage_tokens=96, progress=False)
+    assert 1 <= len(tasks) <= 3 and len(set(tasks)) == len(tasks)
+    heads = {t.split("{p}")[0].split("{")[0] for t in _GROUNDED_TASKS}
+    for t in tasks:  # a task (one of the templates) over a passage of >= 40 words
+        assert any(t.startswith(h) for h in heads) and len(t.split()) >= 40 + 5
+
+
 @pytest.mark.parametrize("text,ok", [("Write a short poem about the sea at night", True), ("Hi", False),
                                      ("the the the the the the the the", False), ("<|im_start|>user write a poem", False),
                                      ("1234 5678 9012 3456 7890", False)])
