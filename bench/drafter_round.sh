@@ -31,7 +31,8 @@ for part in "$@"; do
       timeout 560 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
         --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" \
-        --num-grounded "${GROUNDED:-10000}" --device cuda 2>&1 | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
+        --num-grounded "${GROUNDED:-10000}" --device cuda 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 \
+        | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
     train)
       for kind in dflash dspark; do
@@ -53,10 +54,11 @@ for part in "$@"; do
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
         --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash,dspark,dspark+conf \
         --skip-hf --out "$OUT/e2e_specbench" 2>&1 | grep "^|" ;;
-    gputests)
+    gputests)  # GPU tests of the drafters, sampling and triton_mla's Helix path: one line per test in the file
       timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_sampling_kernel.py \
-        tests/test_sampling_batched.py -m gpu -p no:cacheprovider -rs -o addopts= 2>&1 | tail -25 \
-        | tee "$OUT/gpu_tests_drafters.txt" ;;
+        tests/test_sampling_batched.py tests/test_sampling_cutoffs.py tests/test_triton_mla.py -m gpu \
+        -p no:cacheprovider -rA -o addopts= 2>&1 | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" \
+        | head -120 | tee "$OUT/gpu_tests_drafters.txt" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
