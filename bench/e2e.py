@@ -367,7 +367,7 @@ def main() -> None:
         if b == 1 and null:
             head += " | " + " | ".join(f"{n.removeprefix('specdec-')} vs null" for n in names if n != "specdec-null")
         lines = [f"#### Spec-Bench per category, batch {b}", "", head + " |",
-                 "|" + "---|" * (head.count("|") - 0)]
+                 "|" + "---|" * head.count("|")]
 
         def tau(r, idx):
             steps = sum(r["per_request"][i][1] for i in idx)

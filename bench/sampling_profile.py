@@ -75,8 +75,9 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, dev: torch.device, iters: int, warm: bool = True) -> float:
-    """Median ms of ``fn()`` over ``iters`` synchronised calls (after one untimed call if ``warm``)."""
+def timed(fn, dev: torch.device, iters: int, warm: bool = True, host_only: bool = False) -> float:
+    """Median ms of ``fn()`` over ``iters`` calls, the device queue drained before each (after one
+    untimed call if ``warm``); ``host_only``: the host's time to return, not waiting for the device."""
     if warm:
         fn()
     times = []
@@ -84,21 +85,9 @@ def timed(fn, dev: torch.device, iters: int, warm: bool = True) -> float:
         _sync(dev)
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        if not host_only:
+            _sync(dev)
         times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def host_timed(fn, dev: torch.device, iters: int) -> float:
-    """Median ms of host time of ``fn()`` (the device queue drained before each call)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    _sync(dev)
     return statistics.median(times)
 
 
@@ -149,15 +138,15 @@ def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.devi
     out = {"rows": n_sampled, "dtype": str(dtype).removeprefix("torch."), "limits": limits,
            "verified_rows": n_rows}
     it = args.iters
-    out["h2d_host_ms"] = host_timed(lambda: h2d_copies(sampling, dev), dev, it)
+    out["h2d_host_ms"] = timed(lambda: h2d_copies(sampling, dev), dev, it, host_only=True)
     if dev.type == "cuda":  # the same copies queued behind ~1 ms of GPU work: does the host wait for it?
         def behind(copies):
             def run():
                 torch.cuda._sleep(2_000_000)  # about 1 ms of clock cycles on the stream
                 copies()
             return run
-        out["h2d_behind_busy_host_ms"] = host_timed(behind(lambda: h2d_copies(sampling, dev)), dev, it)
-        out["h2d_pageable_behind_busy_host_ms"] = host_timed(behind(lambda: h2d_pageable(sampling, dev)), dev, it)
+        out["h2d_behind_busy_host_ms"] = timed(behind(lambda: h2d_copies(sampling, dev)), dev, it, host_only=True)
+        out["h2d_pageable_behind_busy_host_ms"] = timed(behind(lambda: h2d_pageable(sampling, dev)), dev, it, host_only=True)
     out["scale_ms"] = timed(lambda: smp._scaled(logits, rows, temp), dev, it)
     if cut is not None:
         out["sort_ms"] = timed(lambda: z.sort(dim=-1, descending=True, stable=True), dev, it)
@@ -180,7 +169,7 @@ def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.devi
 
     out["torch_path_ms"] = timed(torch_path, dev, it)
     argmax = logits.argmax(dim=-1)
-    out["sample_rows_host_ms"] = host_timed(lambda: smp.sample_rows(logits, argmax, sampling), dev, it)
+    out["sample_rows_host_ms"] = timed(lambda: smp.sample_rows(logits, argmax, sampling), dev, it, host_only=True)
     out["sample_rows_ms"] = timed(lambda: smp.sample_rows(logits, argmax, sampling), dev, it)
     if has_kernel:  # the two paths agree (what tests/test_sampling_kernel.py checks)
         a = smp.sample_rows(logits, argmax, sampling, kernel=True)

@@ -349,14 +349,8 @@ class BlockDrafterNet(nn.Module):
         """
         c = self.config
         ws = [w for L in self.layers for w in (L.self_attn.k_proj.weight, L.self_attn.v_proj.weight)]
-        # grad mode in the key: a copy made without grad must never stand in for one that trains
-        key = (torch.is_grad_enabled(), *((w.data_ptr(), w._version, w.dtype, w.device) for w in ws))
-        cached = self.__dict__.get("_kv_weight")
-        if cached is None or cached[0] != key:
-            cached = (key, torch.cat(ws, 0))  # [layers * 2 * Hkv * hd, hidden]
-            self.__dict__["_kv_weight"] = cached
         n, Lk = ctx.shape[0], c.num_layers
-        kv = F.linear(ctx, cached[1]).view(n, Lk, 2, c.num_kv_heads, c.head_dim)
+        kv = F.linear(ctx, _stacked(self, "_kv_weight", ws)).view(n, Lk, 2, c.num_kv_heads, c.head_dim)
         k = kv[:, :, 0]
         if c.qk_norm:
             k = torch.stack([_rms(k[:, i], L.self_attn.k_norm.weight, c.rms_norm_eps)

@@ -221,26 +221,23 @@ class BlockDrafter(Drafter):
             else:
                 now += later
         if now:
-            rows, slots, pos = [], [], []
-            for req_id, start, row, n in now:
-                rows += range(row, row + n)
-                slots += self.kv.slots(req_id, start, start + n)
-                pos += range(start, start + n)
-            self._write(hidden, rows, slots, pos)
+            self._write(hidden, [(start, row, self.kv.slots(r, start, start + n)) for r, start, row, n in now])
 
     def _flush(self) -> None:
         """Write every pending context position now (from the staging buffer)."""
+        runs = list(self._pending.values())
+        self._pending.clear()
+        if runs:
+            self._write(self._ctx_stage, runs)
+
+    def _write(self, hidden: torch.Tensor, runs: list[tuple[int, int, list[int]]]) -> None:
+        """Write context K/V eagerly: each run ``(start, row, slots)`` is positions ``start, ...``
+        from rows ``row, ...`` of ``hidden``, into cache ``slots``."""
         rows, slots, pos = [], [], []
-        for start, row, where in self._pending.values():
+        for start, row, where in runs:
             rows += range(row, row + len(where))
             slots += where
             pos += range(start, start + len(where))
-        self._pending.clear()
-        if rows:
-            self._write(self._ctx_stage, rows, slots, pos)
-
-    def _write(self, hidden: torch.Tensor, rows: list[int], slots: list[int], pos: list[int]) -> None:
-        """Write the context K/V of ``hidden[rows]`` at cache ``slots`` (positions ``pos``), eagerly."""
         if max(pos) >= self._rope.length:
             self._make_tables(max(pos) + 1)
         dense = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
