@@ -63,8 +63,7 @@ def _engine(args, **overrides):
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw,
                           **overrides)  # checked first
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-    drafter = make_drafter(args.drafter) if args.drafter != "suffix" else make_drafter(
-        "suffix", max_draft_tokens=max(1, args.max_draft_tokens))
+    drafter = make_drafter(args.drafter)  # the engine's max_draft_tokens caps every drafter's drafts
     return SpecEngine(target, drafter, config)
 
 

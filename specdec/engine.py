@@ -1,8 +1,11 @@
 """`SpecEngine`: speculative decoding over a target and a drafter.
 
-One step is: schedule, draft, run the target once over every scheduled token,
-verify, post-process. ``generate`` loops steps for a list of prompts; a
-serving stack calls ``add_request`` / ``step`` / ``abort`` itself.
+One step is: schedule, propose, run the target once over every scheduled token,
+verify, commit (:meth:`SpecEngine.step`). The scheduler lays the step out once as a
+:class:`~specdec.scheduler.StepPlan` and owns every request's KV; an executor
+(:mod:`specdec.executor`) decides whether steps overlap on the device. ``generate``
+loops steps for a list of prompts; a serving stack calls ``add_request`` / ``step`` /
+``abort`` itself.
 """
 
 from __future__ import annotations
@@ -20,19 +23,19 @@ import torch
 
 from specdec.attention.selector import get_backend
 from specdec.config import EngineConfig, SamplingParams, engine_config
-from specdec.drafters.base import Draft, Drafter, NullDrafter, check_hooks
-from specdec.errors import (ConfigError, EngineClosedError, InvalidRequestError, PoolExhaustedError,
+from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, NullDrafter, check_hooks
+from specdec.errors import (ConfigError, EngineClosedError, InvalidRequestError,
                             PromptTooLongError, UnknownRequestError, VocabMismatchError)
 from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget, pages_for
 from specdec.kvcache.sizing import default_kv_budget
 from specdec.kvcache.draft_kv import DraftKV
+from specdec.executor import choose_executor
 from specdec.graphs import GraphPolicy
-from specdec.model_runner import ModelRunner, StepInput, StepResult
+from specdec.model_runner import ModelRunner
 from specdec.parallel.runtime import helix_shard, local_num_pages, page_manager
-from specdec.scheduler import ScheduledBatch, Scheduler, decide_kv_sharing
+from specdec.scheduler import Scheduler, StepPlan, decide_kv_sharing
 from specdec.sequence import GenerationOutput, Sequence, Status, StepOutput
-from specdec.sampling import RowSampling, request_key
-from specdec.verify import greedy_verify
+from specdec.verify import verify_chains
 
 
 _SCRATCH = object()  # owns the padding slot in the page manager; never equal to a request id
@@ -106,28 +109,25 @@ class SpecEngine:
         self._max_draft = 0 if getattr(self.drafter, "never_drafts", False) else cfg.max_draft_tokens
         self._check_forced_backend()
         self.runner = self._model_runner()
-        if cfg.overlap_steps and self._max_draft:
-            raise ConfigError("overlap_steps=True needs a drafter that never drafts (the null drafter or "
-                              f"max_draft_tokens=0); got {type(self.drafter).__name__} with "
-                              f"max_draft_tokens={cfg.max_draft_tokens}")
-        # None: where it helps, the null drafter on CUDA (on the CPU a forward runs synchronously anyway)
-        auto = cfg.overlap_steps is None and self.target.device.type == "cuda"
-        self._overlap = bool(cfg.overlap_steps or auto) and not self._max_draft
-        self.runner.copy_argmax_out = self._overlap
-        # a decode step launched ahead (its tokens still on the device); it holds one cache slot per request
-        self._inflight: tuple[ScheduledBatch, StepResult] | None = None
+        self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
+                        "overlapped_steps": 0}
+        #: how steps follow each other (:mod:`specdec.executor`): ``plain`` or ``overlap``
+        self.executor = choose_executor(cfg.overlap_steps, not self._max_draft, target.device.type,
+                                        type(self.drafter).__name__, cfg.max_draft_tokens,
+                                        scheduler=self.scheduler, runner=self.runner,
+                                        max_context=target.max_context, timings=self.timings)
+        # steps in flight together: the argmax leaves the device through pinned buffers used in turn
+        self.runner.copy_argmax_out = self.executor.name == "overlap"
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._last_backends: dict[str, str] = {}
         self._cost_profile = None  # draft_length="confidence": loaded or measured at first use
         #: draft_length="confidence": steps cut, tokens drafted and tokens kept for verification
         self.draft_length_stats = {"steps": 0, "drafted": 0, "kept": 0}
-        self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
-                        "overlapped_steps": 0}
         #: drafter faults the engine contained: ``drafter_errors`` (a drafter call raised),
         #: ``invalid_drafts`` (a draft failed validation)
         self.fault_stats = {"drafter_errors": 0, "invalid_drafts": 0}
-        self._scheduled: ScheduledBatch | None = None  # the batch of the step under way (undone if it fails)
+        self._plan: StepPlan | None = None  # the plan of the step under way (undone if it fails)
         self._no_draft: set[str] = set()  # requests whose drafter state failed: decoded plainly to the end
         self._warned: set[str] = set()  # requests (or "" for the engine) already warned about
 
@@ -319,7 +319,7 @@ class SpecEngine:
         """Run one engine step and return each scheduled request's new tokens.
 
         With ``overlap_steps``, the step may finish a decode step launched by the previous call
-        and launch the next one before waiting (see :meth:`_launch_ahead`).
+        and launch the next one before waiting (:class:`specdec.executor.OverlapExecutor`).
 
         A step is all or nothing for the scheduler: if it raises (the target's forward fails, an
         interrupt), every request is left as before it, and the next step runs them again.
@@ -336,37 +336,28 @@ class SpecEngine:
             raise
 
     def _step(self) -> list[StepOutput]:
-        self._scheduled = None
-        if self._inflight is not None:
-            batch, result = self._inflight
-            self._inflight = None
-            batch, result = self._running_part(batch, result)
-            self._scheduled = batch
-            if not batch:  # every request of it was aborted since
-                return []
-            drafts = [Draft()] * len(batch.generation)
-        else:
-            batch = self._scheduled = self.scheduler.schedule(self._draft_budget)
-            if not batch:
+        plan = self._plan = self.executor.take_launched()  # overlap: a decode step already under way
+        if plan is None:
+            plan = self._plan = self.scheduler.schedule(self._draft_budget)
+            if not plan:
                 return self._unschedulable()
-            drafts = self._propose(batch)
-            result = self._launch(self._prepare(batch, drafts))
-        if self._overlap:
-            self._inflight = self._launch_ahead(batch, result)
-        self._finish_launched(result)
-        emitted = self._verify(batch, drafts, result)
-        outs = self._postprocess(batch, drafts, emitted, result.hidden)
-        self._scheduled = None
-        if self._inflight is not None and not any(s.status is Status.RUNNING for s in self._inflight[0].generation):
-            self._drain()  # every request of the step ahead ended here: nothing will read it
+            self.scheduler.pack(plan, self._propose(plan))  # slots, rows and page tables, laid out once
+            self._launch(plan)
+        self.executor.launched(plan)  # overlap: queue the next decode step before waiting for this one
+        self._wait(plan)
+        emitted = self._verify(plan)
+        outs = self._commit(plan, emitted)
+        self.executor.settle()
+        self._plan = None
         return outs
 
     def _undo_step(self) -> None:
         """After a failed step: drop a step launched ahead and give the scheduler back the state
         it had before the step (:meth:`Scheduler.undo`)."""
-        batch, self._scheduled, self._inflight = self._scheduled, None, None
-        if batch:
-            self.scheduler.undo(batch)
+        plan, self._plan = self._plan, None
+        self.executor.reset()
+        if plan:
+            self.scheduler.undo(plan)
 
     # -- lifetime --------------------------------------------------------------
     def close(self) -> None:
@@ -379,7 +370,8 @@ class SpecEngine:
         if self._closed:
             return
         self._closed = True
-        self._inflight = self._scheduled = None
+        self._plan = None
+        self.executor.reset()
         for seq in list(self._seqs.values()):
             if seq.status is not Status.FINISHED:
                 self._finish(seq, "abort")
@@ -467,9 +459,11 @@ class SpecEngine:
         left = min(seq.params.max_new_tokens - seq.num_output, self.target.max_context - len(seq.tokens))
         return max(0, min(self._max_draft, left - 1))
 
-    def _propose(self, batch: ScheduledBatch) -> list[Draft]:
+    def _propose(self, plan: StepPlan) -> list[Draft]:
+        """One validated draft per generation request of ``plan``, each within its budget
+        (cut by confidence with ``draft_length="confidence"``)."""
         t0 = time.perf_counter()
-        asking = [(s, b) for s, b in zip(batch.generation, batch.budgets) if b > 0]
+        asking = [(s, b) for s, b in zip(plan.generation, plan.budgets) if b > 0]
         drafts = {}
         if asking:
             k = max(b for _, b in asking)
@@ -479,12 +473,9 @@ class SpecEngine:
                 except (TypeError, ValueError) as e:  # TypeError: fields of the wrong kind (len(None), ...)
                     drafts[s.req_id] = Draft()
                     self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
-        out = [drafts.get(s.req_id, Draft()) for s in batch.generation]
+        out = [drafts.get(s.req_id, EMPTY_DRAFT) for s in plan.generation]
         if self.config.draft_length == "confidence" and any(d.confidence for d in out):
             out = self._cut_drafts(out)
-        for s, d, b in zip(batch.generation, out, batch.budgets):  # give back reserved slots the drafts did not use
-            if len(d) < b:
-                self.manager.truncate(s.req_id, s.num_cached + 1 + len(d))
         self.timings["draft_s"] += time.perf_counter() - t0
         return out
 
@@ -498,7 +489,7 @@ class SpecEngine:
         stats["steps"] += 1
         stats["drafted"] += sum(len(d) for d in drafts)
         stats["kept"] += sum(keep)
-        return [d if k == len(d) else Draft(d.token_ids[:k], None, None if d.probs is None else d.probs[:k],
+        return [d if k == len(d) else Draft(d.token_ids[:k], None if d.probs is None else d.probs[:k],
                                             d.confidence[:k]) for d, k in zip(drafts, keep)]
 
     def cost_profile(self):
@@ -572,35 +563,14 @@ class SpecEngine:
             warnings.warn(f"drafter {type(self.drafter).__name__}{where}: {what}{cause} "
                           f"(further faults of it are only counted in fault_stats)", RuntimeWarning, stacklevel=4)
 
-    def _prepare(self, batch: ScheduledBatch, drafts: list[Draft]) -> StepInput:
-        """Pack the step's tokens (context requests first) and the rows verification reads."""
+    def _launch(self, plan: StepPlan) -> None:
+        """Queue the target's forward over ``plan`` (graph replay or eager); forward time."""
         t0 = time.perf_counter()
-        ids, positions, slots, ctx, gen, rows = [], [], [], [], [], []
-        sampling = RowSampling()  # the sampled rows; greedy rows take the argmax
-        for seq, draft, group in itertools.chain(((s, None, ctx) for s in batch.context),
-                                                 ((s, d, gen) for s, d in zip(batch.generation, drafts))):
-            fed = seq.tokens[seq.num_cached:] + (list(draft.token_ids) if draft else [])
-            start, stop = seq.num_cached, seq.num_cached + len(fed)
-            # a context request's last token; a generation request's last token and its draft
-            if not seq.params.greedy:  # its rows predict positions len(tokens) ..
-                sampling.add(len(rows), seq.params, request_key(seq.seed), len(seq.tokens), draft)
-            rows += range(len(ids) + len(fed) - 1 - (len(draft) if draft else 0), len(ids) + len(fed))
-            ids += fed
-            positions += range(start, stop)
-            slots += self.manager.slots(seq.req_id, start, stop)
-            group.append((len(fed), stop, tuple(self.manager.page_table(seq.req_id))))
-        self.timings["host_s"] += time.perf_counter() - t0
-        return StepInput(ids, positions, slots, ctx, gen, rows, sampling or None)
-
-    def _launch(self, step: StepInput, ids_from: torch.Tensor | None = None) -> StepResult:
-        """Queue one target forward (graph replay or eager); its time counts as forward time."""
-        t0 = time.perf_counter()
-        result = self.runner.launch(step, ids_from)
+        plan.result = self.runner.launch(plan.inputs)
         self.timings["forward_s"] += time.perf_counter() - t0
-        return result
 
-    def _finish_launched(self, result: StepResult) -> None:
-        """Wait for a launched forward's argmax (the step's one synchronisation), timed as forward.
+    def _wait(self, plan: StepPlan) -> None:
+        """Wait for ``plan``'s tokens (the step's one synchronisation), timed as forward.
 
         While the device computes, the drafter does its host work that does not need this
         step's result (``Drafter.overlap``); that time counts as drafter time."""
@@ -610,107 +580,41 @@ class SpecEngine:
         except Exception:
             self._drafter_fault(None, "drafter_errors", "overlap raised", exc_info=True)
         t2 = time.perf_counter()
-        self.runner.finish(result)
-        self._last_backends = result.backends
+        self.runner.finish(plan.result)
+        self._last_backends = plan.result.backends
         self.timings["forward_s"] += time.perf_counter() - t2
         self.timings["draft_s"] += t2 - t1
 
-    # -- overlapped decode steps ------------------------------------------------
-    def _launch_ahead(self, batch: ScheduledBatch, result: StepResult) -> tuple[ScheduledBatch, StepResult] | None:
-        """Launch the decode step after ``batch`` before ``batch``'s tokens reach the host.
-
-        Only when nothing but this step's tokens could change the next step: a greedy,
-        generation-only batch of every running request, none waiting to be admitted, and none
-        that ends at this step by its length limits (an end of sequence or a stop string is seen only
-        afterwards: the next step's token for that request is then dropped). Each request
-        takes one more cache slot; its input token is this step's argmax, copied on the device.
-        Returns the launched step, or ``None`` when it does not apply.
-        """
-        seqs = batch.generation
-        if (batch.context or not seqs or self.scheduler.waiting or batch.preempted
-                or len(seqs) != len(self.scheduler.running)  # a request left out now would wait while steps chain
-                or not isinstance(result.argmax, torch.Tensor) or len(result.argmax) != len(seqs)):
-            return None
-        limit = self.target.max_context
-        for seq in seqs:
-            if (not seq.params.greedy or seq.num_output + 1 >= seq.params.max_new_tokens
-                    or len(seq.tokens) + 2 > limit):
-                return None
-        taken = []
-        try:
-            for seq in seqs:
-                self.manager.append(seq.req_id, 1)
-                taken.append(seq)
-        except PoolExhaustedError:
-            for seq in taken:
-                self.manager.truncate(seq.req_id, self.manager.length(seq.req_id) - 1)
-            return None
-        t0 = time.perf_counter()
-        positions = [seq.num_cached + 1 for seq in seqs]  # this step fed position num_cached
-        slots = [self.manager.slots(seq.req_id, p, p + 1)[0] for seq, p in zip(seqs, positions)]
-        gen = [(1, p + 1, tuple(self.manager.page_table(seq.req_id))) for seq, p in zip(seqs, positions)]
-        n = len(seqs)
-        step = StepInput([0] * n, positions, slots, [], gen, list(range(n)))
-        self.timings["host_s"] += time.perf_counter() - t0
-        ahead = self._launch(step, ids_from=result.argmax)
-        self.timings["overlapped_steps"] += 1
-        return ScheduledBatch(generation=list(seqs), budgets=[0] * n), ahead
-
-    def _running_part(self, batch: ScheduledBatch, result: StepResult) -> tuple[ScheduledBatch, StepResult]:
-        """A step launched ahead, without the requests that ended since it was launched (aborted,
-        or ended by the step before it): their rows are dropped from its result once it is finished."""
-        keep = [i for i, s in enumerate(batch.generation) if s.status is Status.RUNNING]
-        if len(keep) == len(batch.generation):
-            return batch, result
-        self.runner.finish(result)
-        result.argmax = [result.argmax[i] for i in keep]
-        seqs = [batch.generation[i] for i in keep]
-        return ScheduledBatch(generation=seqs, budgets=[0] * len(seqs)), result
-
-    def _drain(self) -> None:
-        """Wait for and drop the step launched ahead (its requests all ended)."""
-        if self._inflight is not None:
-            self.runner.finish(self._inflight[1])
-            self._inflight = None
-
-    def _verify(self, batch: ScheduledBatch, drafts: list[Draft], result: StepResult) -> list[list[int]]:
+    def _verify(self, plan: StepPlan) -> list[list[int]]:
         """Host half of verification: the runner already put the target's token of every row on
         the host, coupled to the row's draft (:mod:`specdec.sampling`), so every request, greedy
-        or sampled, keeps its drafts up to the first that differs from the target's token."""
+        or sampled, keeps its drafts up to the first that differs from the target's token
+        (:func:`specdec.verify.verify_chains`)."""
         t0 = time.perf_counter()
-        all_drafts = [Draft()] * len(batch.context) + drafts
-        tokens = result.argmax  # [rows], the step's one synchronisation brought it here
-        emitted, row = [], 0
-        for d in all_drafts:
-            emitted.append(greedy_verify(tokens[row:row + len(d) + 1], d.token_ids))
-            row += len(d) + 1
+        emitted = verify_chains(plan.result.argmax, plan.row_starts, plan.drafts)
         self.timings["verify_s"] += time.perf_counter() - t0
         return emitted
 
-    def _postprocess(self, batch: ScheduledBatch, drafts: list[Draft], emitted: list[list[int]],
-                     hidden: torch.Tensor | None) -> list[StepOutput]:
+    def _commit(self, plan: StepPlan, emitted: list[list[int]]) -> list[StepOutput]:
+        """Append each request's emitted tokens, keep exactly their cache (:meth:`Scheduler.commit`),
+        and tell the drafter what was accepted."""
         t0 = time.perf_counter()
-        outs, row, spans = [], 0, []
-        all_drafts = [Draft()] * len(batch.context) + drafts
-        num_ctx = len(batch.context)
-        ahead = {s.req_id for s in self._inflight[0].generation} if self._inflight is not None else set()
-        for i, (seq, d, toks) in enumerate(zip(batch.context + batch.generation, all_drafts, emitted)):
+        outs, spans, hidden = [], [], plan.result.hidden
+        ahead = self.executor.ahead_ids()
+        for i, (seq, d, toks) in enumerate(zip(plan.requests, plan.drafts, emitted)):
             seq.stats.target_steps += 1
-            if i >= num_ctx:  # a generation step: record what speculation bought
+            if i >= len(plan.context):  # a generation step: record what speculation bought
                 seq.stats.accepted_lengths.append(len(toks))
                 seq.stats.drafted += len(d)
                 seq.stats.accepted += len(toks) - 1
-            fed, old_cached = len(seq.tokens) - seq.num_cached + len(d), seq.num_cached
+            old_cached = seq.num_cached
             new = self._append(seq, toks)
             if seq.status is not Status.FINISHED:
-                seq.num_cached = len(seq.tokens) - 1
-                # keep the slot a step launched ahead writes
-                self.manager.truncate(seq.req_id, seq.num_cached + (seq.req_id in ahead))
+                self.scheduler.commit(seq, ahead=seq.req_id in ahead)  # keep the slot a step launched ahead writes
                 if seq.req_id not in self._no_draft:  # a drafter that failed a request hears no more of it
                     if hidden is not None:  # only accepted positions reach the drafter's context
-                        spans.append((seq.req_id, old_cached, row, seq.num_cached - old_cached))
+                        spans.append((seq.req_id, old_cached, plan.token_starts[i], seq.num_cached - old_cached))
                     self._drafter_call(seq, "on_accepted", seq.req_id, new)
-            row += fed
             outs.append(StepOutput(seq.req_id, tuple(new), seq.status is Status.FINISHED, seq.finish_reason))
         t1 = time.perf_counter()
         if spans:  # one call for the whole step: block drafters write their context K/V in one pass
@@ -837,11 +741,11 @@ def _token_id(t) -> int | None:
 
 
 def _valid_draft(d, max_tokens: int, budget: int, vocab_size: int) -> Draft:
-    """``d`` cut to ``budget`` tokens, with plain-int ids, if it is a well-formed chain draft.
+    """``d`` cut to ``budget`` tokens, with plain-int ids, if it is a well-formed draft.
 
     Raises:
         ValueError: saying what is wrong (not a Draft, too long, an id outside
-            ``[0, vocab_size)``, a tree, ``probs`` of the wrong shape).
+            ``[0, vocab_size)``, ``probs`` of the wrong shape, bad confidences).
     """
     if not isinstance(d, Draft):
         raise ValueError(f"a draft must be a Draft, got {type(d).__name__}")
@@ -855,9 +759,6 @@ def _valid_draft(d, max_tokens: int, budget: int, vocab_size: int) -> Draft:
         raise ValueError(f"draft token ids must be integers, got {d.token_ids!r}")
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         raise ValueError(f"draft token ids must be in [0, {vocab_size}), got {[t for t in ids if not 0 <= t < vocab_size][:5]}")
-    if d.parents is not None and tuple(d.parents) != tuple(range(-1, len(ids) - 1)):
-        raise ValueError(f"this engine verifies chain drafts; parents must be None or {tuple(range(-1, len(ids) - 1))}, "
-                         f"got {d.parents!r}")
     probs = d.probs
     if probs is not None and (not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (len(ids), vocab_size)):
         raise ValueError(f"draft probs must be None or a tensor [{len(ids)}, {vocab_size}], got "
@@ -873,7 +774,7 @@ def _valid_draft(d, max_tokens: int, budget: int, vocab_size: int) -> Draft:
     if len(ids) > budget:
         ids, probs = ids[:budget], None if probs is None else probs[:budget]
         conf = None if conf is None else conf[:budget]
-    return Draft(ids, None, probs, conf)
+    return Draft(ids, probs, conf)
 
 
 def _progress(total: int):

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specdec.verify import greedy_verify
+from specdec.verify import verify_chains
 
 if TYPE_CHECKING:
     from specdec.config import SamplingParams
@@ -429,24 +429,19 @@ def verify_batch(logits: torch.Tensor, drafts: Sequence[Draft], params: Sequence
         token. One device-to-host transfer in all.
 
     Raises:
-        ValueError: the lengths disagree, or a draft is a tree.
+        ValueError: the lengths disagree.
     """
     if not len(drafts) == len(params) == len(seeds) == len(positions):
         raise ValueError(f"drafts, params, seeds and positions must have one entry per request, got "
                          f"{len(drafts)}, {len(params)}, {len(seeds)}, {len(positions)}")
-    if any(d.parents is not None for d in drafts):
-        raise ValueError("verify_batch verifies chain drafts only; got a tree draft (parents is set)")
     total = sum(len(d) + 1 for d in drafts)
     if logits.dim() != 2 or logits.shape[0] != total:
         raise ValueError(f"logits must be [sum(len(draft) + 1), vocab] = [{total}, vocab], got {list(logits.shape)}")
-    sampling, row = RowSampling(), 0
+    sampling, starts, row = RowSampling(), [], 0
     for d, p, seed, pos in zip(drafts, params, seeds, positions):
         if not p.greedy:
             sampling.add(row, p, request_key(seed), pos, d)
+        starts.append(row)
         row += len(d) + 1
     tokens = sample_rows(logits, None, sampling).tolist()  # the one synchronisation
-    out, row = [], 0
-    for d in drafts:
-        out.append(greedy_verify(tokens[row:row + len(d) + 1], d.token_ids))
-        row += len(d) + 1
-    return out
+    return verify_chains(tokens, starts, drafts)

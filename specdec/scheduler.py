@@ -1,10 +1,14 @@
-"""Which requests run each step, and where every cached layer lives.
+"""Which requests run each step, the step's plan, and where every cached layer lives.
 
-The scheduler admits waiting requests while the pool has room, reserves KV
-for each running request's next forward (the prompt for a context request,
-``1 + k`` tokens for a generation request), and preempts the newest request
-when the pool runs dry. It never overwrites another request's pages: the
-manager raises instead, and the scheduler waits or preempts.
+The scheduler owns the KV page manager and every request's length. Each step it
+admits waiting requests while the pool has room, reserves KV for each running
+request's next forward (the prompt for a context request, ``1 + k`` tokens for a
+generation request), and preempts the newest request when the pool runs dry. It
+never overwrites another request's pages: the manager raises instead, and the
+scheduler waits or preempts. Once the drafter has proposed, :meth:`Scheduler.pack`
+gives back the reserved slots the drafts did not use and lays the step out as a
+:class:`StepPlan`; after verification :meth:`Scheduler.commit` keeps exactly the
+accepted tokens' cache (rollback), and :meth:`Scheduler.undo` reverts a failed step.
 
 It also makes the one KV-sharing decision of docs/design.md §3 from a drafter's
 declared hooks alone.
@@ -15,9 +19,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from specdec.drafters.base import EMPTY_DRAFT, Draft
 from specdec.errors import ConfigError, PoolExhaustedError
 from specdec.kvcache.manager import KVCacheManager
 from specdec.kvcache.pool import LayerSpec
+from specdec.model_runner import StepInput, StepResult
+from specdec.sampling import RowSampling, request_key
 from specdec.sequence import Sequence, Status
 
 
@@ -93,23 +100,63 @@ def decide_kv_sharing(
 
 
 @dataclass(slots=True)
-class ScheduledBatch:
-    """The requests of one step; context requests first, then generation requests.
+class StepPlan:
+    """One engine step, laid out once by the scheduler and read by every later part of the step.
 
-    ``budgets[i]`` is how many draft tokens ``generation[i]`` may verify.
+    It is built in two stages. :meth:`Scheduler.schedule` picks the requests and reserves
+    their KV (``context``, ``generation``, ``budgets``, ``preempted``); once the drafter has
+    proposed, :meth:`Scheduler.pack` cuts each reservation to its draft and fills in the rest.
+    The runner reads ``inputs``, verification reads ``drafts`` and ``row_starts``, the commit
+    reads ``token_starts`` and ``fed``; nobody recomputes the packing.
+
+    Requests are packed context requests first, then generation requests; ``requests`` is
+    that order, and every per-request list below follows it (``[R]``, ``R = len(requests)``).
+
+    Attributes:
+        context: requests admitted this step; their prompt (or recomputed context) runs now.
+        generation: running requests; each feeds its last token and verifies its draft.
+        budgets: ``[len(generation)]`` the most draft tokens each may verify; KV was reserved
+            for ``1 + budget`` tokens.
+        preempted: requests sent back to the queue while scheduling (they do not run).
+        drafts: ``[R]`` each request's draft after :meth:`Scheduler.pack` (empty for context
+            requests and for requests the drafter gave nothing).
+        fed: ``[R]`` tokens each request feeds: its uncached tokens plus its draft.
+        token_starts: ``[R]`` the request's first row among the step's tokens (``inputs.input_ids``).
+        row_starts: ``[R]`` the request's first row among the verified rows (``inputs.rows``);
+            it has ``len(drafts[i]) + 1`` of them.
+        inputs: the runner's packed input (tokens, positions, slots, page tables, verified rows,
+            sampled rows); ``None`` until packed.
+        result: the forward's result once launched (:meth:`ModelRunner.launch`).
+        ahead: a decode step launched before the previous step's tokens reached the host
+            (:class:`specdec.executor.OverlapExecutor`); its input tokens live on the device.
     """
 
     context: list[Sequence] = field(default_factory=list)
     generation: list[Sequence] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: list[Draft] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)
+    token_starts: list[int] = field(default_factory=list)
+    row_starts: list[int] = field(default_factory=list)
+    inputs: StepInput | None = None
+    result: StepResult | None = None
+    ahead: bool = False
+
+    @property
+    def requests(self) -> list[Sequence]:
+        """Every request of the step, in packing order (context, then generation)."""
+        return self.context + self.generation
 
     def __bool__(self) -> bool:
         return bool(self.context or self.generation)
 
 
 class Scheduler:
-    """FCFS admission over a paged pool, with preemption by recomputation.
+    """FCFS admission over a paged pool, with preemption by recomputation; the owner of KV.
+
+    Every change of a request's cached length (``Sequence.num_cached``) and of its pages
+    happens here: admission, reservation, packing, commit, preemption, undo and removal.
 
     Args:
         manager: the KV page manager.
@@ -137,23 +184,23 @@ class Scheduler:
         if seq.req_id in self.manager:
             self.manager.free(seq.req_id)
 
-    def schedule(self, draft_budget) -> ScheduledBatch:
-        """Admit, reserve KV and return this step's batch.
+    def schedule(self, draft_budget) -> StepPlan:
+        """Admit, reserve KV and return this step's plan (not yet packed: see :meth:`pack`).
 
         Args:
             draft_budget: ``(seq) -> int``, the most drafts a running request may verify.
         """
-        batch = ScheduledBatch()
+        plan = StepPlan()
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             budget = draft_budget(seq)
-            if budget and self._reserve(seq, 1 + budget, batch, preempt=False):
-                batch.generation.append(seq)
-                batch.budgets.append(budget)
-            elif self._reserve(seq, 1, batch, preempt=True):
-                batch.generation.append(seq)
-                batch.budgets.append(0)
+            if budget and self._reserve(seq, 1 + budget, plan, preempt=False):
+                plan.generation.append(seq)
+                plan.budgets.append(budget)
+            elif self._reserve(seq, 1, plan, preempt=True):
+                plan.generation.append(seq)
+                plan.budgets.append(0)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             need = len(seq.tokens)
@@ -167,28 +214,105 @@ class Scheduler:
             seq.num_cached = 0
             seq.start()
             self.running.append(seq)
-            batch.context.append(seq)
-        return batch
+            plan.context.append(seq)
+        return plan
 
-    def undo(self, batch: ScheduledBatch) -> None:
-        """Give back what :meth:`schedule` did for ``batch`` after its step failed.
+    def pack(self, plan: StepPlan, drafts: list[Draft]) -> StepPlan:
+        """Give back the reserved slots the drafts do not use, and lay the step out.
+
+        Args:
+            plan: a plan from :meth:`schedule`.
+            drafts: one per generation request, each at most its budget.
+
+        Returns:
+            ``plan``, packed: ``drafts``, ``fed``, ``token_starts``, ``row_starts`` and ``inputs``.
+        """
+        if len(drafts) != len(plan.generation):
+            raise ValueError(f"pack needs one draft per generation request ({len(plan.generation)}), "
+                             f"got {len(drafts)}")
+        for seq, d, budget in zip(plan.generation, drafts, plan.budgets):
+            if len(d) > budget:
+                raise ValueError(f"request {seq.req_id!r}: a draft of {len(d)} tokens, {budget} reserved")
+            if len(d) < budget:
+                self.manager.truncate(seq.req_id, seq.num_cached + 1 + len(d))
+        plan.drafts = [EMPTY_DRAFT] * len(plan.context) + list(drafts)
+        ids, positions, slots, ctx, gen, rows = [], [], [], [], [], []
+        sampling = RowSampling()  # the sampled rows; greedy rows take the argmax
+        for i, (seq, draft) in enumerate(zip(plan.requests, plan.drafts)):
+            fed = seq.tokens[seq.num_cached:] + list(draft.token_ids)
+            start, stop = seq.num_cached, seq.num_cached + len(fed)
+            plan.fed.append(len(fed))
+            plan.token_starts.append(len(ids))
+            plan.row_starts.append(len(rows))
+            # verified rows: the request's last token and each draft; they predict positions len(tokens) ..
+            if not seq.params.greedy:
+                sampling.add(len(rows), seq.params, request_key(seq.seed), len(seq.tokens),
+                             draft if i >= len(plan.context) else None)
+            rows += range(len(ids) + len(fed) - 1 - len(draft), len(ids) + len(fed))
+            ids += fed
+            positions += range(start, stop)
+            slots += self.manager.slots(seq.req_id, start, stop)
+            (ctx if i < len(plan.context) else gen).append(
+                (len(fed), stop, tuple(self.manager.page_table(seq.req_id))))
+        plan.inputs = StepInput(ids, positions, slots, ctx, gen, rows, sampling or None)
+        return plan
+
+    def plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The decode step after ``plan``, for every request of it, laid out before ``plan``'s
+        tokens are known (they are its input tokens, copied on the device).
+
+        Each request takes one more cache slot, for the position after the one ``plan`` fed
+        (the cache then holds one slot beyond what ``plan``'s commit keeps; see :meth:`commit`).
+        ``None`` (nothing reserved) when the pool cannot give every request its slot.
+        """
+        seqs = plan.generation
+        taken = []
+        try:
+            for seq in seqs:
+                self.manager.append(seq.req_id, 1)
+                taken.append(seq)
+        except PoolExhaustedError:
+            for seq in taken:
+                self.manager.truncate(seq.req_id, self.manager.length(seq.req_id) - 1)
+            return None
+        n = len(seqs)
+        positions = [seq.num_cached + 1 for seq in seqs]  # plan fed position num_cached
+        slots = [self.manager.slots(seq.req_id, p, p + 1)[0] for seq, p in zip(seqs, positions)]
+        gen = [(1, p + 1, tuple(self.manager.page_table(seq.req_id))) for seq, p in zip(seqs, positions)]
+        return StepPlan(generation=list(seqs), budgets=[0] * n, drafts=[EMPTY_DRAFT] * n, fed=[1] * n,
+                        token_starts=list(range(n)), row_starts=list(range(n)),
+                        inputs=StepInput([0] * n, positions, slots, [], gen, list(range(n))), ahead=True)
+
+    def commit(self, seq: Sequence, ahead: bool = False) -> None:
+        """After verification: the cache keeps every token of ``seq`` but its last (the next
+        step feeds it), and rejected drafts' slots are released.
+
+        Args:
+            seq: a request still running after its new tokens were appended.
+            ahead: a decode step launched ahead already holds the slot after the last token.
+        """
+        seq.num_cached = len(seq.tokens) - 1
+        self.manager.truncate(seq.req_id, seq.num_cached + ahead)
+
+    def undo(self, plan: StepPlan) -> None:
+        """Give back what :meth:`schedule` (and :meth:`pack`) did for ``plan`` after its step failed.
 
         Requests it admitted wait again at the head of the queue (their pages freed, to be
         prefilled again); running ones keep only their cached tokens' slots. Preemptions stand:
         a preempted request is a consistent waiting one. Finished requests are left alone.
         """
-        for seq in reversed(batch.context):
+        for seq in reversed(plan.context):
             if seq in self.running:
                 self.running.remove(seq)
                 if seq.req_id in self.manager:
                     self.manager.free(seq.req_id)
                 seq.status, seq.num_cached = Status.WAITING, 0
                 self.waiting.appendleft(seq)
-        for seq in batch.generation:
+        for seq in plan.generation:
             if seq.status is Status.RUNNING and seq.req_id in self.manager:
                 self.manager.truncate(seq.req_id, min(seq.num_cached, self.manager.length(seq.req_id)))
 
-    def _reserve(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, preempt: bool) -> bool:
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan, preempt: bool) -> bool:
         """Grow ``seq`` by ``num_tokens`` new tokens; with ``preempt``, evict newer requests
         (``seq`` itself last) until it fits. Returns whether ``seq`` runs this step."""
         self.manager.truncate(seq.req_id, seq.num_cached)
@@ -200,16 +324,16 @@ class Scheduler:
                 if not preempt:
                     return False
                 victim = self.running[-1]
-                self._preempt(victim, batch)
+                self._preempt(victim, plan)
                 if victim is seq:
                     return False
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self.manager.free(seq.req_id)
         seq.status, seq.num_cached = Status.WAITING, 0
         self.waiting.appendleft(seq)
-        batch.preempted.append(seq)
-        if seq in batch.generation:
-            i = batch.generation.index(seq)
-            del batch.generation[i], batch.budgets[i]
+        plan.preempted.append(seq)
+        if seq in plan.generation:
+            i = plan.generation.index(seq)
+            del plan.generation[i], plan.budgets[i]

@@ -101,6 +101,24 @@ def greedy_verify(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> 
     return drafts[:n] + [target[n]]
 
 
+def verify_chains(target_tokens: Sequence[int], row_starts: Sequence[int], drafts: Sequence[Draft]) -> list[list[int]]:
+    """:func:`greedy_verify` for every request of a step at once.
+
+    Args:
+        target_tokens: ``[rows]`` the target's token at every verified row of the step: the
+            argmax of greedy rows, the seeded sample of sampled rows coupled to their drafts
+            (:mod:`specdec.sampling`), so one rule verifies both.
+        row_starts: ``[R]`` each request's first row in ``target_tokens``; it has
+            ``len(drafts[i]) + 1`` rows.
+        drafts: ``[R]`` each request's chain draft (empty for a request that drafted nothing).
+
+    Returns:
+        Per request, the emitted tokens: its drafts up to the first that differs from the
+        target's token, then the target's token there.
+    """
+    return [greedy_verify(target_tokens[r:r + len(d) + 1], d.token_ids) for r, d in zip(row_starts, drafts)]
+
+
 def rejection_sample(
     target_probs: torch.Tensor,
     draft_tokens: Sequence[int],
@@ -174,7 +192,7 @@ def verify_draft(
     Args:
         target_logits: ``[k + 1, vocab]`` target logits at the last accepted token
             and at each draft.
-        draft: the request's chain draft (``k`` tokens, ``parents is None``).
+        draft: the request's chain draft (``k`` tokens).
         params: the request's sampling parameters.
         generator: the request's generator (sampling only).
 
@@ -182,10 +200,8 @@ def verify_draft(
         The emitted tokens (see :func:`rejection_sample`), length in ``[1, k + 1]``.
 
     Raises:
-        ValueError: ``draft`` is a tree, or the shapes disagree.
+        ValueError: the shapes disagree.
     """
-    if draft.parents is not None:
-        raise ValueError("verify_draft verifies chain drafts only; got a tree draft (parents is set)")
     if params.greedy:
         return greedy_verify(target_logits.argmax(dim=-1).tolist(), draft.token_ids)
     probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]

@@ -4,7 +4,6 @@ test_drafter_training.py)."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch

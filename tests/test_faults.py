@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpecEngine
-from specdec.drafters import Draft, NullDrafter, SuffixAutomatonDrafter
+from specdec.drafters import Draft, SuffixAutomatonDrafter
 from specdec.errors import EngineClosedError
 
 PROMPTS = {"a": [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3], "b": [7, 8, 9, 7, 8, 9, 7, 8],
@@ -89,7 +89,6 @@ def test_the_issues_reproduction_no_longer_breaks_the_engine(tiny):
 @pytest.mark.parametrize("bad,why", [
     (Draft((64, 1)), r"in \[0, 64\)"),  # out of vocabulary: used to reach the target's embedding
     (Draft((-7,)), r"in \[0, 64\)"),  # negative: used to reach a sampled request's output
-    (Draft((1, 2, 3), parents=(-1, -1, 0)), "chain"),  # a tree: this engine verifies chains
     (Draft((1, 2), probs=torch.full((2, 63), 1 / 63)), "probs"),  # q over the wrong vocabulary
     (Draft(tuple(range(30))), "asked for at most"),  # longer than asked
     (Draft((1.0, 2.0)), "integers"),
@@ -107,15 +106,19 @@ def test_invalid_draft_is_dropped_for_that_request_only(tiny, bad, why):
     assert_no_leak(engine)
 
 
-def test_chain_draft_with_explicit_parents_is_valid(tiny):
-    class Parents(SuffixAutomatonDrafter):
+def test_a_drafter_that_builds_a_tree_costs_only_its_request_its_drafts(tiny):
+    """``Draft`` has no tree field: a drafter that passes one raises in ``propose``, a contained fault."""
+    class Trees(SuffixAutomatonDrafter):
         def propose(self, req_ids, max_tokens):
-            return [Draft(d.token_ids, tuple(range(-1, len(d) - 1))) for d in super().propose(req_ids, max_tokens)]
+            return [Draft(d.token_ids, parents=tuple(range(-1, len(d) - 1))) if r == "a" else d
+                    for r, d in zip(req_ids, super().propose(req_ids, max_tokens))]
 
-    engine = SpecEngine(tiny, Parents())
-    assert run_staggered(engine) == {r: solo(tiny, r) for r in "abc"}
-    assert engine.fault_stats == {"drafter_errors": 0, "invalid_drafts": 0}
-    assert engine.output("a").stats.accepted > 0
+    engine = SpecEngine(tiny, Trees())
+    with pytest.warns(RuntimeWarning, match="request 'a'.*propose raised.*parents"):
+        assert run_staggered(engine) == {r: solo(tiny, r) for r in "abc"}
+    assert engine.output("a").stats.drafted == 0 and engine.fault_stats["drafter_errors"] > 0
+    assert engine.output("b").stats.accepted > 0
+    assert_no_leak(engine)
 
 
 def test_negative_draft_ids_never_reach_a_sampled_output(tiny):

@@ -37,8 +37,9 @@ def test_config_is_checked(tiny):
     # default (None): on where it helps, the null drafter on CUDA; so off here on the CPU, and off
     # (not an error) with a drafter that drafts
     assert EngineConfig().overlap_steps is None
-    assert SpecEngine(tiny, None)._overlap is False
-    assert SpecEngine(tiny, SuffixAutomatonDrafter())._overlap is False
+    assert SpecEngine(tiny, None).executor.name == "plain"
+    assert SpecEngine(tiny, SuffixAutomatonDrafter()).executor.name == "plain"
+    assert SpecEngine(tiny, None, EngineConfig(overlap_steps=True)).executor.name == "overlap"
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 8])
@@ -51,7 +52,7 @@ def test_equal_to_plain_steps_with_eos_and_lengths(tiny, max_num_seqs):
     assert overlap.timings["overlapped_steps"] > 0 and plain.timings["overlapped_steps"] == 0
     assert overlap.runner.stats["chained_steps"] == overlap.timings["overlapped_steps"]
     assert overlap.manager.num_free_pages == overlap.manager.num_pages  # nothing leaked
-    assert overlap._inflight is None
+    assert not overlap.executor.in_flight
 
 
 def test_serving_calls_abort_and_late_arrivals(tiny):
@@ -83,10 +84,10 @@ def test_abort_of_every_request_of_the_step_in_flight(tiny):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in ([1, 2], [3, 4, 5])]
     engine.step()
     engine.step()
-    assert engine._inflight is not None
+    assert engine.executor.in_flight
     for r in ids:
         engine.abort(r)
-    assert engine.step() == [] and engine._inflight is None and not engine.has_unfinished()
+    assert engine.step() == [] and not engine.executor.in_flight and not engine.has_unfinished()
     assert engine.manager.num_free_pages == engine.manager.num_pages
     later = engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert later[0].token_ids == SpecEngine(tiny, None).generate([[7, 8, 9]], SamplingParams(
@@ -147,7 +148,7 @@ class TestOnGPU:
         ids = prompts(batch + 1, 30, target.config.vocab_size)
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 7, 33, 12, 25)[: batch + 1]]
         plain, overlap = _pair(target, max_num_seqs=batch)
-        assert SpecEngine(target, None, EngineConfig(max_num_seqs=batch))._overlap  # the default on CUDA
+        assert SpecEngine(target, None, EngineConfig(max_num_seqs=batch)).executor.name == "overlap"  # the default on CUDA
         assert _outputs(overlap, ids, params) == _outputs(plain, ids, params)
         assert overlap.timings["overlapped_steps"] > 0 and overlap.graph_stats["graph_steps"] > 0
         scratch = int(overlap.runner.scratch_slot is not None)  # graphs hold one scratch page for padding

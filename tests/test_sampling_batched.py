@@ -201,13 +201,11 @@ def test_sample_rows_without_sampled_rows_is_the_argmax():
     assert torch.equal(sample_rows(logits, None, RowSampling()), logits.argmax(-1))
 
 
-def test_verify_batch_rejects_bad_shapes_and_trees():
+def test_verify_batch_rejects_bad_shapes():
     with pytest.raises(ValueError, match="one entry per request"):
         verify_batch(torch.zeros(2, 4), [Draft((1,))], [SamplingParams()], [], [0])
     with pytest.raises(ValueError, match="logits"):
         verify_batch(torch.zeros(3, 4), [Draft((1,))], [SamplingParams()], [0], [0])
-    with pytest.raises(ValueError, match="tree"):
-        verify_batch(torch.zeros(3, 4), [Draft((1, 2), parents=(-1, -1))], [SamplingParams()], [0], [0])
 
 
 # --------------------------------------------------------------------------- the engine

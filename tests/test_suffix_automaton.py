@@ -186,7 +186,7 @@ requests_strategy = st.lists(
 
 def check_draft(draft: Draft, text: list[int], docs: list[list[int]], k: int, min_len: int) -> None:
     assert len(draft) <= k
-    assert draft.parents is None and draft.probs is None
+    assert draft.probs is None
     if not draft.token_ids:
         return
     d = list(draft.token_ids)
@@ -309,7 +309,7 @@ def test_replay_global_automaton_learns_across_sequences():
 
 
 class _ScriptedDrafter(Drafter):
-    """Proposes from the true response: an oracle, a liar, or a tree with the truth second."""
+    """Proposes from the true response: an oracle, a liar, or a draft longer than asked."""
 
     def __init__(self, responses: dict[tuple[int, ...], list[int]], mode: str) -> None:
         self.responses, self.mode, self.log = responses, mode, []
@@ -325,11 +325,8 @@ class _ScriptedDrafter(Drafter):
             return [Draft(tuple(nxt))]
         if self.mode == "liar":
             return [Draft((-1,) * max_tokens)]
-        if self.mode == "too_long":
-            return [Draft((0,) * (max_tokens + 1))]
-        # tree: a wrong first child, then the truth as a chain under the second child
-        nxt = nxt[: max_tokens - 1]
-        return [Draft((-1, *nxt), (-1, -1, *range(1, len(nxt))))]
+        assert self.mode == "too_long"
+        return [Draft((0,) * (max_tokens + 1))]
 
     def on_accepted(self, req_id, token_ids):
         truth, pos = self.req
@@ -342,15 +339,12 @@ class _ScriptedDrafter(Drafter):
         self.log.append(("stop", req_id))
 
 
-@pytest.mark.parametrize("mode", ["oracle", "tree"])
-def test_replay_accounting_with_a_perfect_drafter(mode):
+def test_replay_accounting_with_a_perfect_drafter():
     pairs = [((1,), list(range(10))), ((2,), list(range(3)))]
-    d = _ScriptedDrafter(dict(pairs), mode)
+    d = _ScriptedDrafter(dict(pairs), "oracle")
     stats = replay(d, pairs, max_tokens=4)
-    if mode == "oracle":  # 10 tokens: 4+1, 4+1; 3 tokens: 3 accepted, no bonus past the end
-        assert stats == ReplayStats(steps=3, tokens=13, drafted=4 + 4 + 3, accepted=11)
-    else:  # the tree holds 3 true tokens: 3+1, 3+1, 2; then 3
-        assert stats == ReplayStats(steps=4, tokens=13, drafted=4 + 4 + 3 + 4, accepted=11)
+    # 10 tokens: 4+1, 4+1; 3 tokens: 3 accepted, no bonus past the end
+    assert stats == ReplayStats(steps=3, tokens=13, drafted=4 + 4 + 3, accepted=11)
     assert stats.mean_accepted_length == pytest.approx(13 / stats.steps)
     assert d.log[0] == ("start", "replay-0") and d.log[-1] == ("stop", "replay-1")
 

@@ -359,6 +359,7 @@ def test_verify_draft_sampling_is_rejection_sample_of_shaped_p(with_probs: bool)
         assert verify_draft(logits, draft, params, _seeded(seed)) == expected
 
 
-def test_verify_draft_refuses_trees() -> None:
-    with pytest.raises(ValueError, match="tree"):
-        verify_draft(torch.zeros(3, 4), Draft(token_ids=(1, 2), parents=(-1, -1)), SamplingParams())
+def test_drafts_are_chains_until_trees_are_verified() -> None:
+    """``Draft`` offers no tree field: one the engine would ignore is refused at construction."""
+    with pytest.raises(TypeError, match="parents"):
+        Draft(token_ids=(1, 2), parents=(-1, -1))

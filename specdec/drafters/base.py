@@ -29,12 +29,13 @@ HOOKS = ("kv_layer_specs", "reads_managed_ctx_pages", "reads_helix_sharded_ctx_p
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """One proposal for one request: a chain, or a tree when ``parents`` is set.
+    """One proposal for one request: a chain of tokens, each continuing the one before it.
+
+    Tree drafts are not offered until the engine verifies trees end to end; every field here
+    is one the engine reads.
 
     Attributes:
         token_ids: drafted token ids, in proposal order. ``[k]``.
-        parents: for trees, the index of each token's parent in ``token_ids``
-            (-1 for a child of the last accepted token); ``None`` means a chain.
         probs: the drafter's distribution each token was sampled from,
             ``[k, vocab_size]``; ``None`` means deterministic (one-hot q).
         confidence: each token's probability of being accepted given that the tokens before
@@ -44,7 +45,6 @@ class Draft:
     """
 
     token_ids: tuple[int, ...] = ()
-    parents: tuple[int, ...] | None = None
     probs: "torch.Tensor | None" = None
     confidence: tuple[float, ...] | None = None
 

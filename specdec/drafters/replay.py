@@ -60,25 +60,15 @@ class ReplayStats:
 def _accepted_count(draft: Draft, truth: Sequence[int], start: int) -> int:
     """Number of draft tokens accepted against the ground truth ``truth[start:]``.
 
-    A chain is accepted up to its first mismatch; a tree (``parents`` set)
-    along its longest root path that matches the truth.
+    A chain is accepted up to its first mismatch.
     """
     tokens = draft.token_ids
     remaining = len(truth) - start
-    if draft.parents is None:
-        n = 0
-        limit = min(len(tokens), remaining)
-        while n < limit and tokens[n] == truth[start + n]:
-            n += 1
-        return n
-    node, depth = -1, 0
-    while depth < remaining:
-        want = truth[start + depth]
-        child = next((j for j, p in enumerate(draft.parents) if p == node and tokens[j] == want), None)
-        if child is None:
-            break
-        node, depth = child, depth + 1
-    return depth
+    n = 0
+    limit = min(len(tokens), remaining)
+    while n < limit and tokens[n] == truth[start + n]:
+        n += 1
+    return n
 
 
 def replay(drafter: Drafter, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int) -> ReplayStats:

@@ -282,12 +282,13 @@ class SuffixAutomatonDrafter(Drafter):
     ``use_global``, the responses of earlier finished requests plus ``corpus``.
     The source with the longer match wins (the request's own on ties). A match
     of length ``L`` allows ``ceil(match_len_factor * L)`` tokens, capped at
-    ``min(max_tokens, max_draft_tokens)``; the draft also stops when the
+    ``max_tokens`` (the engine's ``max_draft_tokens``) and ``max_draft_tokens``; the draft also stops when the
     continuation runs out or its estimated probability falls below
     ``min_token_prob``.
 
     Args:
-        max_draft_tokens: the most tokens per draft (>= 1).
+        max_draft_tokens: the most tokens per draft (>= 1) of this drafter's own; ``None``
+            (default): only the engine's ``EngineConfig.max_draft_tokens`` caps drafts.
         min_match_len: shortest suffix match that is used (>= 1).
         use_global: also match against finished responses and ``corpus``.
         corpus: token sequences added to the global automaton, one document each.
@@ -306,7 +307,7 @@ class SuffixAutomatonDrafter(Drafter):
     def __init__(
         self,
         *,
-        max_draft_tokens: int = 8,
+        max_draft_tokens: int | None = None,
         min_match_len: int = 1,
         use_global: bool = True,
         corpus: Sequence[Sequence[int]] | None = None,
@@ -314,7 +315,8 @@ class SuffixAutomatonDrafter(Drafter):
         match_len_factor: float = 1.0,
         global_budget_tokens: int | None = 1 << 18,
     ) -> None:
-        _check_int("max_draft_tokens", max_draft_tokens, 1)
+        if max_draft_tokens is not None:
+            _check_int("max_draft_tokens", max_draft_tokens, 1)
         _check_int("min_match_len", min_match_len, 1)
         if not isinstance(use_global, bool):
             raise ConfigError(f"use_global must be a bool, got {use_global!r}")
@@ -367,7 +369,7 @@ class SuffixAutomatonDrafter(Drafter):
             InvalidRequestError: a ``req_id`` was not started.
         """
         _check_int("max_tokens", max_tokens, 0)
-        k = min(max_tokens, self.max_draft_tokens)
+        k = max_tokens if self.max_draft_tokens is None else min(max_tokens, self.max_draft_tokens)
         return [self._propose_one(self._get(r), k) for r in req_ids]
 
     def _propose_one(self, req: _Request, k: int) -> Draft:
