@@ -48,3 +48,33 @@ def capture(graph: "torch.cuda.CUDAGraph", pool=None, collect: bool = True):
     """
     with gc_held(collect), torch.cuda.graph(graph, pool=pool):
         yield
+
+
+def capture_graph(fn, device: torch.device, pool=None, collect: bool = True):
+    """Capture ``fn`` (no arguments; returns its output tensors) as a CUDA graph: the one capture
+    path of target steps and drafter proposes.
+
+    ``fn`` first runs once on a side stream (a warm-up: kernels compiled, cuBLAS handles and
+    attention plans made, never inside a capture), then is captured with the collector held off
+    (:func:`capture`), and the graph is replayed once so that its outputs hold ``fn``'s result.
+
+    Args:
+        fn: the work to capture; it must read its inputs from, and write its outputs to, tensors
+            that outlive the graph (static buffers).
+        device: the CUDA device.
+        pool: the memory pool handle the graph shares (``torch.cuda.graph_pool_handle()``), or ``None``.
+        collect: collect garbage first (see :func:`capture`).
+
+    Returns:
+        ``(graph, outputs)``: replay ``graph`` to recompute ``outputs`` in place.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with capture(graph, pool, collect=collect):
+        outputs = fn()
+    graph.replay()
+    return graph, outputs

@@ -24,7 +24,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
 from specdec.attention.selector import select
-from specdec.capture import capture
+from specdec.capture import capture_graph
 from specdec.graphs import GraphKey, GraphPolicy, graph_key, pad_step_into, prompt_graph_key, split_chunk
 from specdec.sampling import RowSampling, sample_rows
 
@@ -375,17 +375,10 @@ class ModelRunner:
             aux = torch.cat([captured[i] for i in layer_ids], -1) if layer_ids else None
             return logits, logits.argmax(-1), aux
 
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.inference_mode(), torch.cuda.stream(side):
-            forward()  # warm-up: compiles kernels, creates cuBLAS handles (never inside a capture)
-        torch.cuda.current_stream(dev).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), capture(g.graph, self._mempool, collect=collect):
-            g.outputs = forward()
-        g.graph.replay()  # the step's result, from the graph itself
+        with torch.inference_mode():  # the step's result comes from the graph itself (replayed once)
+            g.graph, g.outputs = capture_graph(forward, dev, self._mempool, collect=collect)
         self._graphs[key] = g
         self.stats["graphs_captured"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0

@@ -421,12 +421,7 @@ class BlockDrafterNet(nn.Module):
     # -- checkpoints -----------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write ``config.json`` + ``model.safetensors`` (the target's embedding/LM head are not stored)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps({"architectures": ["SpecdecBlockDrafter"], **self.config.to_json()}, indent=2))
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / "model.safetensors")
+        save_net(self, path, "SpecdecBlockDrafter")
 
     @classmethod
     def load(cls, path: str | Path) -> "BlockDrafterNet":
@@ -438,12 +433,31 @@ class BlockDrafterNet(nn.Module):
         from specdec.drafters.dflash_layout import read_block_checkpoint
 
         config, weights = read_block_checkpoint(Path(path))
-        net = cls(config)
-        missing = set(net.state_dict()) - set(weights)
-        if missing:
-            raise CheckpointError(f"drafter checkpoint {str(path)!r} is missing weights {sorted(missing)[:5]}")
-        net.load_state_dict({k: weights[k] for k in net.state_dict()})
-        return net
+        return load_weights(cls(config), weights, path)
+
+
+def save_net(net: nn.Module, path: str | Path, architecture: str) -> None:
+    """Write a block drafter network as ``config.json`` (``architectures: [architecture]`` and its
+    config's fields) + ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"architectures": [architecture], **net.config.to_json()}, indent=2))
+    save_file({k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}, path / "model.safetensors")
+
+
+def load_weights(net: nn.Module, weights: dict[str, torch.Tensor], path: str | Path) -> nn.Module:
+    """``net`` with every weight of its state dict taken from ``weights`` (read from ``path``).
+
+    Raises:
+        CheckpointError: a weight of ``net`` is missing from ``weights``.
+    """
+    missing = set(net.state_dict()) - set(weights)
+    if missing:
+        raise CheckpointError(f"drafter checkpoint {str(path)!r} is missing weights {sorted(missing)[:5]}")
+    net.load_state_dict({k: weights[k] for k in net.state_dict()})
+    return net
 
 
 def init_weights(net: BlockDrafterNet, seed: int = 0, std: float = 0.02) -> BlockDrafterNet:

@@ -35,7 +35,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from specdec.capture import capture
+from specdec.capture import capture_graph
 from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, register_drafter
 from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, RopeTable, block_mask, draft_from_hidden,
                                     output_slots)
@@ -423,17 +423,10 @@ class BlockDrafter(Drafter):
         dev, cols, width = self._embed.device, key[1], self.config.draft_width
         g = _ProposeGraph(packed.pin_memory(), torch.empty(packed.shape, dtype=torch.long, device=dev))
         g.dev.copy_(g.host, non_blocking=True)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            self._draft(g.dev, cols, width)
-        torch.cuda.current_stream(dev).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
-        g.graph = torch.cuda.CUDAGraph()
-        with capture(g.graph, self._mempool):
-            g.tokens, g.confidence = self._draft(g.dev, cols, width)
-        g.graph.replay()
+        g.graph, (g.tokens, g.confidence) = capture_graph(lambda: self._draft(g.dev, cols, width), dev,
+                                                          self._mempool)
         self._graphs[key] = g
         self.stats["graphs_captured"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters.base import register_drafter
-from specdec.drafters.block import (_linear, _Norm, _rms, block_mask, draft_from_hidden, mlp, output_slots,
-                                    rope_cos_sin, rotate)
+from specdec.drafters.block import (_linear, _Norm, _rms, block_mask, draft_from_hidden, load_weights, mlp,
+                                    output_slots, rope_cos_sin, rotate, save_net)
 from specdec.drafters.dflash import BlockDrafter
 from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
 from specdec.kvcache.pool import LayerSpec
@@ -256,13 +256,7 @@ class MLABlockDrafterNet(nn.Module):
 
     def save(self, path: str | Path) -> None:
         """Write ``config.json`` + ``model.safetensors`` (the target's embedding/LM head are not stored)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps({"architectures": ["SpecdecMLABlockDrafter"],
-                                                      **self.config.to_json()}, indent=2))
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / "model.safetensors")
+        save_net(self, path, "SpecdecMLABlockDrafter")
 
     @classmethod
     def load(cls, path: str | Path) -> "MLABlockDrafterNet":
@@ -284,12 +278,7 @@ class MLABlockDrafterNet(nn.Module):
             net = cls(MLABlockDrafterConfig(**cfg))
         except TypeError as e:
             raise CheckpointError(f"drafter config.json in {str(path)!r} has unexpected fields: {e}") from None
-        weights = read_safetensors_dir(path)
-        missing = set(net.state_dict()) - set(weights)
-        if missing:
-            raise CheckpointError(f"drafter checkpoint {str(path)!r} is missing weights {sorted(missing)[:5]}")
-        net.load_state_dict({k: weights[k] for k in net.state_dict()})
-        return net
+        return load_weights(net, read_safetensors_dir(path), path)
 
 
 @register_drafter("dspark_mla")
