@@ -56,12 +56,14 @@ class PlainExecutor:
 class OverlapExecutor(PlainExecutor):
     """Launch the next decode step before the current one's tokens reach the host.
 
-    Only when nothing but this step's tokens could change the next step: a greedy,
-    generation-only step of every running request, none waiting to be admitted, none
-    preempted, and none that ends at this step by its length limits (an end of sequence or
-    a stop string is seen only afterwards: the next step's token for that request is then
-    dropped). Each request takes one more cache slot (:meth:`Scheduler.plan_ahead`); its
-    input token is this step's argmax, copied on the device.
+    Only when nothing but this step's tokens could change the next step: a generation-only
+    step of every running request, none waiting to be admitted, none preempted, and none that
+    ends at this step by its length limits (an end of sequence or a stop string is seen only
+    afterwards: the next step's token for that request is then dropped). Each request takes
+    one more cache slot (:meth:`Scheduler.plan_ahead`); its input token is this step's token
+    (argmax or seeded sample), copied on the device. Sampled requests overlap too: their
+    noise is drawn from their seed and the position (:mod:`specdec.sampling`), both known
+    before this step's tokens are.
 
     Args:
         scheduler: the engine's scheduler (it lays the step out and reserves its slots).
@@ -105,8 +107,7 @@ class OverlapExecutor(PlainExecutor):
                 or not isinstance(result.argmax, torch.Tensor) or len(result.argmax) != len(seqs)):
             return
         for seq in seqs:
-            if (not seq.params.greedy or seq.num_output + 1 >= seq.params.max_new_tokens
-                    or len(seq.tokens) + 2 > self.max_context):
+            if seq.num_output + 1 >= seq.params.max_new_tokens or len(seq.tokens) + 2 > self.max_context:
                 return
         t0 = time.perf_counter()
         ahead = self.scheduler.plan_ahead(plan)

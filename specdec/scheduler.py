@@ -279,9 +279,14 @@ class Scheduler:
         positions = [seq.num_cached + 1 for seq in seqs]  # plan fed position num_cached
         slots = [self.manager.slots(seq.req_id, p, p + 1)[0] for seq, p in zip(seqs, positions)]
         gen = [(1, p + 1, tuple(self.manager.page_table(seq.req_id))) for seq, p in zip(seqs, positions)]
+        sampling = RowSampling()  # sampled requests draw by seed and position: known before plan's tokens are
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:  # plan predicts position len(tokens); this step the one after
+                sampling.add(i, seq.params, request_key(seq.seed), len(seq.tokens) + 1, None)
         return StepPlan(generation=list(seqs), budgets=[0] * n, drafts=[EMPTY_DRAFT] * n, fed=[1] * n,
                         token_starts=list(range(n)), row_starts=list(range(n)),
-                        inputs=StepInput([0] * n, positions, slots, [], gen, list(range(n))), ahead=True)
+                        inputs=StepInput([0] * n, positions, slots, [], gen, list(range(n)), sampling or None),
+                        ahead=True)
 
     def commit(self, seq: Sequence, ahead: bool = False) -> None:
         """After verification: the cache keeps every token of ``seq`` but its last (the next

@@ -109,13 +109,31 @@ def test_pool_pressure_falls_back_to_plain_steps(tiny):
 def test_any_mix_of_requests_gives_plain_outputs(tiny, data):
     n = data.draw(st.integers(1, 5))
     prompts = [data.draw(st.lists(st.integers(0, 62), min_size=1, max_size=12)) for _ in range(n)]
-    params = [SamplingParams(max_new_tokens=data.draw(st.integers(1, 24)), ignore_eos=data.draw(st.booleans()))
+    params = [SamplingParams(max_new_tokens=data.draw(st.integers(1, 24)), ignore_eos=data.draw(st.booleans()),
+                             **data.draw(st.sampled_from([{}, {"temperature": 1.0, "seed": 7},
+                                                          {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 3}])))
               for _ in range(n)]
     kw = {"max_num_seqs": data.draw(st.integers(1, 4)), "tokens_per_block": data.draw(st.sampled_from([1, 4, 16])),
           "num_pages": data.draw(st.sampled_from([None, 64]))}
     plain, overlap = _pair(tiny, **kw)
     assert _outputs(overlap, prompts, params) == _outputs(plain, prompts, params)
     assert overlap.manager.num_free_pages == overlap.manager.num_pages
+
+
+def test_sampled_requests_overlap_too(tiny):
+    """A seeded sampled request draws its noise by position, so its next step is launched ahead like a
+    greedy one's; beside greedy requests, every output equals plain steps'."""
+    prompts = [[1, 2, 3], [9, 8, 7, 6], [4, 4], [30, 31, 32, 33, 34]]
+    params = [SamplingParams(max_new_tokens=30, temperature=1.0, seed=11, ignore_eos=True),
+              SamplingParams(max_new_tokens=22, temperature=0.7, top_p=0.8, seed=5),
+              SamplingParams(max_new_tokens=25, ignore_eos=True),
+              SamplingParams(max_new_tokens=18, temperature=1.3, top_k=5, seed=2, ignore_eos=True)]
+    plain, overlap = _pair(tiny, max_num_seqs=4)
+    assert _outputs(overlap, prompts, params) == _outputs(plain, prompts, params)
+    steps = overlap.timings
+    assert steps["overlapped_steps"] > steps["steps"] // 2  # the sampled rows did not turn overlap off
+    alone = _outputs(SpecEngine(tiny, None, EngineConfig(overlap_steps=True)), prompts[:1], params[:1])
+    assert alone == _outputs(overlap, prompts, params)[:1]  # and the seed reproduces alone
 
 
 @pytest.mark.slow
