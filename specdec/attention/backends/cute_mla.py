@@ -7,9 +7,14 @@ refuses every shape ("not yet validated on SM90") and the selector never picks i
 caches and Helix are refused too (not implemented here). Add 90 to ``VALIDATED_SM`` only after
 the GPU tests pass on an H100/H200::
 
-    pip install nvidia-cutlass-dsl==4.8.1          # or carry the wheels (see below)
+    pip install nvidia-cutlass-dsl==4.8.1   # 4.8.1 is what was compiled against
     PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
     PYTHONPATH=$PWD python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out OUT/mla
+
+On a machine that cannot reach PyPI, install the wheels (Python 3.12 there: ``nvidia-cutlass-dsl``,
+``-libs-base``, ``-libs-core``, ``-libs-cu13``; ``cuda-bindings`` is usually present) with
+``pip install --no-index --no-deps --target /tmp/site WHEELS`` and put ``/tmp/site`` on
+``PYTHONPATH`` (this module adds the package's ``dsl_packages`` folder itself).
 
 ``nvidia-cutlass-dsl`` 4.8.1 is a 10 KB meta package over ``-libs-base`` (3.1 MB wheel),
 ``-libs-core`` (1.6 MB) and ``-libs-cu12`` or ``-libs-cu13`` (92 MB wheel, 237 MB installed: one
@@ -77,12 +82,37 @@ VALIDATED_SM: tuple[int, ...] = ()
 # on a validated arch; elsewhere cost() ranks it behind triton_mla.
 MEASURED_FASTER: frozenset[tuple[str, int]] = frozenset()
 
-try:  # the kernel needs nvidia-cutlass-dsl; without it this module still imports and refuses every shape
-    from specdec.attention.backends import _cute_mla_kernel as _kernel
-    IMPORT_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    _kernel = None
-    IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def _import_kernel():
+    """The kernel module, or the reason it cannot be imported.
+
+    ``pip install --target DIR`` (how wheels are installed beside a read-only environment) skips
+    the package's ``.pth`` file, which puts ``nvidia_cutlass_dsl/dsl_packages`` on ``sys.path``:
+    that one step is repeated here when ``cutlass`` is otherwise missing.
+    """
+    try:
+        from specdec.attention.backends import _cute_mla_kernel as kernel
+        return kernel, None
+    except ImportError as exc:
+        first = exc
+    try:
+        import os
+        import sys
+
+        import nvidia_cutlass_dsl  # noqa: F401 - the wheel without its .pth applied
+
+        path = os.path.join(nvidia_cutlass_dsl.__path__[0], "dsl_packages")
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+        from specdec.attention.backends import _cute_mla_kernel as kernel
+        return kernel, None
+    except ImportError:
+        return None, f"{type(first).__name__}: {first}"
+
+
+# The kernel needs nvidia-cutlass-dsl; without it this module still imports and refuses every shape.
+_kernel, IMPORT_ERROR = _import_kernel()
 
 
 @dataclass(frozen=True, slots=True)
