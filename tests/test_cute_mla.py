@@ -319,6 +319,28 @@ def test_kernel_compiles_for_sm90a_without_a_gpu(tpb, tmp_path):
     assert ".local" not in text  # no local-memory arrays in the PTX
 
 
+@needs_cutlass
+def test_the_backend_compiles_against_real_tensors_and_stops_only_at_the_launch():
+    """``attend`` on CPU tensors: the arguments are converted and the kernel compiled for them (the path
+    a GPU call takes); only the launch fails, for want of a CUDA driver."""
+    code = (
+        "import torch\n"
+        "from specdec.attention.backends.cute_mla import CuteMLABackend\n"
+        "from specdec.attention.backends.base import PhaseBatch\n"
+        "b = CuteMLABackend()\n"
+        "plan = b.plan(PhaseBatch((2, 1), (70, 5), ((3, 1, 0), (2,)), 64, torch.device('cpu')))\n"
+        "q, cache = torch.randn(3, 16, 576).bfloat16(), torch.randn(256, 1, 576).bfloat16()\n"
+        "try:\n"
+        "    b.attend(plan, q, cache, 0.1, 512)\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, 'Driver' in str(e) or 'driver' in str(e))\n"
+        "print(sorted(b._compiled))\n"
+    )
+    done = run_for_sm90a(code)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "DSLCudaRuntimeError True" in done.stdout and "[(512, 64, 64)]" in done.stdout, done.stdout[-3000:]
+
+
 # --------------------------------------------------------------------------- GPU
 
 

@@ -7,13 +7,14 @@ it lazily and refuses every shape, with the reason, when it cannot.
 
 from __future__ import annotations
 
-
-import cutlass
+import cutlass  # first: the missing package is what an ImportError should name
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+
+import cuda.bindings.driver as cuda  # noqa: E402 - a dependency of nvidia-cutlass-dsl
 
 BLOCK_M = 64  # query rows per CTA: one wgmma M, shared by both consumer warpgroups
 THREADS = 384  # warpgroup 0: producer (one TMA warp); warpgroups 1, 2: consumers
@@ -60,7 +61,7 @@ class MLADecodeKernel:
         num_splits: cutlass.Int32,
         row_blocks: cutlass.Int32,
         num_seqs: cutlass.Int32,
-        stream,
+        stream: cuda.CUstream,
     ):
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         K = warpgroup.OperandMajorMode.K

@@ -288,7 +288,7 @@ class CuteMLABackend(AttentionBackend):
                 dyn_rows(plan.kv_lens), dyn_rows(plan.q_start), dyn_rows(plan.q_lens),
                 cutlass.Float32(scale_log2), cutlass.Int32(num_heads), cutlass.Int32(splits),
                 cutlass.Int32(grid_m), cutlass.Int32(plan.num_seqs),
-                cuda_driver.CUstream(torch.cuda.current_stream(q2.device).cuda_stream))
+                cuda_driver.CUstream(torch.cuda.current_stream(q2.device).cuda_stream if q2.is_cuda else 0))
         key = (LATENT, ROPE, plan.tokens_per_block)
         if key not in self._compiled:
             import cutlass.cute as cute
