@@ -25,6 +25,14 @@ fewer keys; padded query rows of a 64-row block count as waste); ``frac`` =
 ``max(bytes / 4.8e12, flops / 989e12) / time``. Split-KV partials are not in
 ``bytes`` (they are overhead, shown as ``partial_MB``).
 
+``--backends torch_ref,triton_mla,cute_mla``: time other backends on the same grid shapes (same
+plan-once, L2-flushed median), as columns ``<name>_us`` and ``<name>_x`` (``triton_mla`` time
+over theirs: > 1 is faster than Triton); each is checked against the torch reference on the
+first shape of every (H, q_len, kv) class, and a dtype or shape a backend does not implement
+(``cute_mla``: FP8 caches) shows ``-``. ``triton_mla`` is always the base column. E.g. on the H200:
+
+    python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out OUT/mla
+
 ``--smoke``: the script's logic on the CPU, tiny shapes, Triton's interpreter.
 """
 
@@ -112,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7, help="timed calls per shape (median)")
     p.add_argument("--check-every", type=int, default=6, help="check every N-th small grid shape vs torch_ref")
     p.add_argument("--force", action="store_true", help="run even where supports() refuses the GPU arch")
+    p.add_argument("--backends", default="triton_mla",
+                   help="comma-separated: triton_mla (always) plus columns for torch_ref and/or cute_mla")
     tune = p.add_argument_group("grid launch config without --sweep (TritonMLAConfig; default: heuristics)")
     tune.add_argument("--num-splits", type=int)
     tune.add_argument("--min-split-tokens", type=int)
@@ -125,6 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.sweep or args.full or args.quick or args.smoke):
         p.error("nothing to do: give --sweep and/or --full (or --quick, --smoke)")
+    unknown = set(args.backends.split(",")) - {"", "triton_mla", "torch_ref", "cute_mla"}
+    if unknown:
+        p.error(f"--backends: unknown {sorted(unknown)} (known: torch_ref, triton_mla, cute_mla)")
     return args
 
 
@@ -195,6 +208,7 @@ class Bench:
         kv_scale = self.kv_scale if kv == "fp8" else 1.0
         scale = (128 + 64) ** -0.5
         plan = backend.plan(phase)
+        self.last = dict(phase=phase, q=q, cache=cache, kv_scale=kv_scale, scale=scale)
         launch = backend.launch_config(plan, h, kv_bytes=cache.element_size(),
                                        fp8_with_bf16_q=kv == "fp8" and q.dtype == torch.bfloat16)
 
@@ -235,12 +249,50 @@ class Bench:
                     MB=total_bytes / 1e6, partial_MB=partial_bytes / 1e6, checked=checked)
 
 
+    def run_extra(self, name: str, *, check: bool) -> float:
+        """Median seconds of backend ``name`` on the shape of the last :meth:`run` (same queries, cache,
+        pages); with ``check``, first compared with the torch reference on every request."""
+        from specdec.attention.backends.torch_ref import TorchRefBackend
+
+        torch, last = self.torch, self.last
+        if name == "cute_mla":
+            from specdec.attention.backends.cute_mla import CuteMLABackend
+
+            backend = CuteMLABackend()
+            if last["cache"].dtype != torch.bfloat16 or q_dtype_of(last) != torch.bfloat16 or not self.on_gpu:
+                raise NotImplementedError("cute_mla: bf16 queries and caches on an sm90 GPU only")
+        elif name == "torch_ref":
+            backend = TorchRefBackend()
+        else:
+            raise ValueError(f"unknown backend column {name!r}")
+        plan = backend.plan(last["phase"])
+        q, cache, scale, kv_scale = last["q"], last["cache"], last["scale"], last["kv_scale"]
+        extra = {"kv_scale": kv_scale} if kv_scale != 1.0 else {}
+
+        def fn():
+            return backend.run(plan, q, cache, None, scale, self.latent, **extra)
+
+        if check and name != "torch_ref":
+            ref = TorchRefBackend()
+            want = ref.run(ref.plan(last["phase"]), q.float(), cache, None, scale, self.latent, **extra)
+            tol = 2e-2 if q.dtype == torch.bfloat16 else 2e-5
+            torch.testing.assert_close(fn().float(), want, atol=tol, rtol=tol)
+        return self.time_fn(fn)
+
+
+def q_dtype_of(last: dict):
+    return last["q"].dtype
+
+
 def fmt_rows(rows, columns=COLUMNS) -> list[str]:
     fmt = {"time_us": "{:.1f}", "GB_s": "{:.0f}", "TFLOP_s": "{:.1f}", "frac": "{:.2f}", "MB": "{:.1f}",
            "partial_MB": "{:.1f}"}
+    fmt.update({c: ("{:.1f}" if c.endswith("_us") else "{:.2f}") for c in columns if c.endswith(("_us", "_x"))
+                and c != "time_us"})
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(fmt.get(c, "{}").format(r[c]) for c in columns) + " |")
+        lines.append("| " + " | ".join("-" if r.get(c) is None else fmt.get(c, "{}").format(r[c]) for c in columns)
+                     + " |")
     return lines
 
 
@@ -340,6 +392,9 @@ def main(argv=None) -> int:
     shapes = list(itertools.product(grid["heads"], grid["q_lens"], grid["batches"], grid["contexts"], grid["pages"],
                                     grid["kv"]))
     rows, skipped, failures, grid_start = [], 0, [], time.perf_counter()
+    extras = [b for b in args.backends.split(",") if b and b != "triton_mla"]
+    extra_checked: set = set()
+    columns = COLUMNS + tuple(c for b in extras for c in (f"{b}_us", f"{b}_x"))
     for i, (h, q_len, batch, context, page, kv) in enumerate(shapes):
         if time.perf_counter() - grid_start > args.budget_s:
             skipped = len(shapes) - i
@@ -355,6 +410,19 @@ def main(argv=None) -> int:
             failures.append(f"H={h} q_len={q_len} batch={batch} ctx={context} page={page} {kv}: {str(e)[:300]}")
             print("MISMATCH " + failures[-1], file=sys.stderr)
             continue
+        for name in extras:  # the other backends on the same shape, checked once per (H, q_len, kv) class
+            key = (name, h, q_len, kv)
+            try:
+                t = bench.run_extra(name, check=key not in extra_checked)
+                extra_checked.add(key)
+                row[f"{name}_us"], row[f"{name}_x"] = t * 1e6, row["time_us"] / (t * 1e6)
+            except NotImplementedError:
+                row[f"{name}_us"] = row[f"{name}_x"] = None
+            except AssertionError as e:
+                failures.append(f"{name} H={h} q_len={q_len} batch={batch} ctx={context} page={page} {kv}: "
+                                f"{str(e)[:300]}")
+                print("MISMATCH " + failures[-1], file=sys.stderr)
+                row[f"{name}_us"] = row[f"{name}_x"] = None
         rows.append(row)
         print(f"[{i + 1}/{len(shapes)}] H={h} q={q_len} b={batch} ctx={context} p={page} {kv} "
               f"{row['time_us']:.1f}us {row['GB_s']:.0f}GB/s {row['TFLOP_s']:.0f}TF frac={row['frac']:.2f} "
@@ -377,7 +445,7 @@ def main(argv=None) -> int:
              f"{f' ({skipped} skipped: time budget)' if skipped else ''}; grid {time.perf_counter() - grid_start:.0f} s,"
              f" total {time.perf_counter() - t_start:.0f} s; configs: "
              + ("sweep winners per class" if winners else f"heuristics {label_of(manual)}") + ".", "",
-             f"**{summary}**", "", *fmt_rows(rows), *([""] + ["Mismatches:"] + failures if failures else [])]
+             f"**{summary}**", "", *fmt_rows(rows, columns), *([""] + ["Mismatches:"] + failures if failures else [])]
     text = "\n".join(lines) + "\n"
     if out_dir:
         (out_dir / "grid.md").write_text(text)

@@ -1,0 +1,421 @@
+"""The CuTe DSL kernel of ``cute_mla`` (imported only when ``nvidia-cutlass-dsl`` is installed).
+
+See :mod:`specdec.attention.backends.cute_mla` for the design and the contract. This
+module needs ``cutlass`` at import; :mod:`~specdec.attention.backends.cute_mla` imports
+it lazily and refuses every shape, with the reason, when it cannot.
+"""
+
+from __future__ import annotations
+
+import cutlass  # first: the missing package is what an ImportError should name
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+import cuda.bindings.driver as cuda  # noqa: E402 - a dependency of nvidia-cutlass-dsl
+
+BLOCK_M = 64  # query rows per CTA: one wgmma M, shared by both consumer warpgroups
+THREADS = 384  # warpgroup 0: producer (one TMA warp); warpgroups 1, 2: consumers
+REGS_PRODUCER = 40
+REGS_CONSUMER = 232
+ZERO_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is __syncthreads)
+
+
+class MLADecodeKernel:
+    """Paged absorbed-MLA decode / verify for sm90: one CTA = 64 query rows x one KV split of one request.
+
+    Compile-time: latent / rope widths, page size, keys per tile, pipeline depth.
+    Runtime: the packed queries, the latent cache, the plan's tensors, the scale and split count.
+
+    Output: ``o_part[row * num_splits + split, :]`` (fp32, normalised over the split's keys) and
+    ``lse_part[row * num_splits + split]`` (fp32, log2 domain; ``-inf`` for a split no key of
+    which the row sees), ``row`` indexing the flattened ``[num_tokens * H]`` query rows.
+    """
+
+    def __init__(self, latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int):
+        if latent % 128 or rope % 64 or tokens_per_block % block_n or block_n % 16:
+            raise ValueError(f"unsupported MLA kernel config: latent={latent} rope={rope} "
+                             f"tokens_per_block={tokens_per_block} block_n={block_n}")
+        self.latent, self.rope = latent, rope
+        self.dim = latent + rope
+        self.tpb, self.block_n, self.stages = tokens_per_block, block_n, stages
+        self.half = latent // 2  # output columns per consumer warpgroup
+
+    # ------------------------------------------------------------------ host side
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [num_rows, dim] bf16, row = token * H + head
+        mKV: cute.Tensor,  # [num_slots, dim] bf16
+        mOPart: cute.Tensor,  # [num_rows * num_splits, latent] fp32
+        mLsePart: cute.Tensor,  # [num_rows * num_splits] fp32 (log2 domain)
+        mPageTable: cute.Tensor,  # [num_seqs, max_pages] int32
+        mKvLens: cute.Tensor,  # [num_seqs] int32
+        mQStart: cute.Tensor,  # [num_seqs] int32
+        mQLens: cute.Tensor,  # [num_seqs] int32
+        scale_log2: cutlass.Float32,  # softmax scale * kv_scale * log2(e)
+        num_heads: cutlass.Int32,
+        num_splits: cutlass.Int32,
+        row_blocks: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        K = warpgroup.OperandMajorMode.K
+        MN = warpgroup.OperandMajorMode.MN
+        qk_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K, K, f32, (1, 1, 1), (BLOCK_M, self.block_n))
+        pv_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K, MN, f32, (1, 1, 1), (BLOCK_M, self.half),
+                                                   warpgroup.OperandSource.RMEM)
+        row_major = utils.LayoutEnum.ROW_MAJOR
+        tile_mnk = (BLOCK_M, self.block_n, self.dim)
+        q_layout = sm90_utils.make_smem_layout_a(row_major, tile_mnk, bf16, 1)  # (64, dim, 1)
+        kv_layout = sm90_utils.make_smem_layout_b(row_major, tile_mnk, bf16, self.stages)  # (block_n, dim, stages)
+
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(q_layout, (None, None, 0)), (BLOCK_M, self.dim))
+        tma_kv, tma_mKV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mKV, cute.slice_(kv_layout, (None, None, 0)),
+            (self.block_n, self.dim))
+        self.q_bytes = cute.size_in_bytes(bf16, cute.slice_(q_layout, (None, None, 0)))
+        self.kv_bytes = cute.size_in_bytes(bf16, cute.slice_(kv_layout, (None, None, 0)))
+
+        @cute.struct
+        class Storage:
+            q_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_bar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+
+        self.storage = Storage
+        self.kernel(
+            qk_mma, pv_mma, tma_q, tma_mQ, tma_kv, tma_mKV, q_layout, kv_layout,
+            mOPart, mLsePart, mPageTable, mKvLens, mQStart, mQLens, scale_log2, num_heads, num_splits,
+        ).launch(
+            grid=(row_blocks, num_splits, num_seqs),
+            block=(THREADS, 1, 1),
+            smem=Storage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        tma_mQ: cute.Tensor,
+        tma_kv: cute.CopyAtom,
+        tma_mKV: cute.Tensor,
+        q_layout: cute.ComposedLayout,
+        kv_layout: cute.ComposedLayout,
+        mOPart: cute.Tensor,
+        mLsePart: cute.Tensor,
+        mPageTable: cute.Tensor,
+        mKvLens: cute.Tensor,
+        mQStart: cute.Tensor,
+        mQLens: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        num_heads: cutlass.Int32,
+        num_splits: cutlass.Int32,
+    ):
+        BN, D, TPB = self.block_n, self.dim, self.tpb
+        tidx, _, _ = cute.arch.thread_idx()
+        mblk, split, seq = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)  # (64, D, 1)
+        sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)  # (BN, D, stages)
+
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.q_bytes,
+            barrier_storage=storage.q_bar.data_ptr(),
+        )
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.kv_bytes,
+            barrier_storage=storage.kv_bar.data_ptr(),
+        )
+        q_producer, q_consumer = q_pipe.make_participants()
+        kv_producer, kv_consumer = kv_pipe.make_participants()
+
+        # ---- this CTA's rows and keys (every thread computes the same scalars)
+        q_len = mQLens[seq]
+        kv_len = mKvLens[seq]
+        q_start = mQStart[seq]
+        rows = q_len * num_heads  # query rows of the request, token-major
+        first_row = mblk * BLOCK_M
+        last_tok = cutlass.min((first_row + BLOCK_M - 1) // num_heads, q_len - 1)
+        stop = kv_len - q_len + last_tok + 1  # one past the last key any row of the block sees
+        chunk = (((kv_len + num_splits - 1) // num_splits + BN - 1) // BN) * BN
+        lo = split * chunk
+        hi = cutlass.min(cutlass.min(lo + chunk, kv_len), stop)
+        n_tiles = cutlass.max((hi - lo + BN - 1) // BN, 0)
+        row0 = q_start * num_heads + first_row  # first global query row of the block
+
+        if first_row < rows:
+            if wg_idx == 0:
+                # ---------------- producer: Q once, then the KV tiles of this split, page by page
+                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+                if warp_idx == 0:
+                    cpasync.prefetch_descriptor(tma_q)
+                    cpasync.prefetch_descriptor(tma_kv)
+                    gQ = cute.local_tile(cute.domain_offset((row0, 0), tma_mQ), (BLOCK_M, D), (0, 0))
+                    tQsQ, tQgQ = cpasync.tma_partition(
+                        tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                    q_handle = q_producer.acquire_and_advance()
+                    cute.copy(tma_q, tQgQ, tQsQ[(None, 0)], tma_bar_ptr=q_handle.barrier)
+                    for t in cutlass.range(n_tiles, unroll=1):
+                        key0 = lo + t * BN  # BN divides the page: the tile lies in one page
+                        page = mPageTable[seq, key0 // TPB]
+                        slot0 = page * TPB + key0 % TPB
+                        gKV = cute.local_tile(cute.domain_offset((slot0, 0), tma_mKV), (BN, D), (0, 0))
+                        tKsK, tKgK = cpasync.tma_partition(
+                            tma_kv, 0, cute.make_layout(1), cute.group_modes(sKV, 0, 2),
+                            cute.group_modes(gKV, 0, 2))
+                        kv_handle = kv_producer.acquire_and_advance()
+                        cute.copy(tma_kv, tKgK, tKsK[(None, kv_handle.index)], tma_bar_ptr=kv_handle.barrier)
+            else:
+                # ---------------- consumers: warpgroup w owns output columns [w * half, (w + 1) * half)
+                cute.arch.setmaxregister_increase(REGS_CONSUMER)
+                self.consume(qk_mma, pv_mma, sQ, sKV, q_consumer, kv_consumer, mOPart, mLsePart,
+                             tidx, wg_idx - 1, num_heads, num_splits, scale_log2, q_len, kv_len, rows,
+                             first_row, row0, split, lo, n_tiles)
+
+    @cute.jit
+    def consume(self, qk_mma, pv_mma, sQ, sKV, q_consumer, kv_consumer, mOPart, mLsePart, tidx, wg,
+                num_heads, num_splits, scale_log2, q_len, kv_len, rows, first_row, row0, split, lo, n_tiles):
+        BN, D, HALF = self.block_n, self.dim, self.half
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        t = tidx % 128
+        qk_thr = qk_mma.get_slice(t)
+        pv_thr = pv_mma.get_slice(t)
+
+        # S = Q K^T operands: smem descriptors over Q and the KV ring.
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))  # (MMA, 1, D/16, 1)
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sKV))  # (MMA, 1, D/16, stages)
+        # O += P V: V is the latent part of the same KV tiles, read transposed (dims x keys, MN-major),
+        # this warpgroup's half of the latent columns.
+        sVt = cute.make_tensor(sKV.iterator, cute.select(sKV.layout, mode=[1, 0, 2]))  # (D, BN, stages)
+        sV = cute.local_tile(sVt, (HALF, BN, self.stages), (wg, 0, 0))  # (HALF, BN, stages)
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))  # (MMA, 1, BN/16, stages)
+
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((BLOCK_M, HALF)))
+        acc_o.fill(0.0)
+        s_shape = qk_thr.partition_shape_C((BLOCK_M, BN))
+
+        # (row, key) of every score this thread holds, and of every output value.
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((BLOCK_M, HALF)))
+        n_s = cute.size(tScS)
+        n_o = cute.size(tOcO)
+        # A thread holds two rows of the 64 (wgmma accumulator layout): rows r and r + 8 of its warp's 16.
+        # Value i of the scores belongs to row half (i // 2) % 2; value j of the output likewise.
+        row_a = tScS[0][0]
+        row_b = tScS[2][0]
+        rows_here = (row_a, row_b)
+        # causal bound per row: row r of the request is token r // H and sees keys < kv_len - q_len + token + 1
+        row_end = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+        m_i = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        l_i = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        for h in cutlass.range_constexpr(2):
+            r = first_row + rows_here[h]
+            tok = cutlass.min(r // num_heads, q_len - 1)  # rows past the request: masked at the store
+            row_end[h] = kv_len - q_len + tok + 1
+            m_i[h] = -f32.inf
+            l_i[h] = 0.0
+
+        q_handle = q_consumer.wait_and_advance()
+        for it in cutlass.range(n_tiles, unroll=1):
+            key0 = lo + it * BN
+            kv_handle = kv_consumer.wait_and_advance()
+            stage = kv_handle.index
+            if key0 + BN > kv_len:
+                # The request's last, partial tile: the page's tail past kv_len may hold anything
+                # (NaN included), and P = 0 does not cancel NaN in P V. Zero those rows first.
+                valid = kv_len - key0
+                n_zero = (BN - valid) * D
+                for e in cutlass.range(tidx - 128, n_zero, 256, unroll=1):
+                    sKV[(valid + e // D, e % D, stage)] = bf16(0.0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=256)
+
+            # ---- S = Q K^T over the full 576 dims (both warpgroups compute it: each needs all of P)
+            acc_s = qk_thr.make_fragment_C(s_shape)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(qk_mma, acc_s, tSrQ[(None, None, k, 0)], tSrK[(None, None, k, stage)], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # ---- mask, online softmax (log2 domain)
+            tile_max = cute.make_rmem_tensor(cute.make_layout(2), f32)
+            tile_max[0] = -f32.inf
+            tile_max[1] = -f32.inf
+            for i in cutlass.range_constexpr(n_s):
+                h = (i // 2) % 2
+                s = acc_s[i] * scale_log2
+                if key0 + tScS[i][1] >= row_end[h]:
+                    s = -f32.inf
+                acc_s[i] = s
+                tile_max[h] = cute.arch.fmax(tile_max[h], s)
+            scale_o = cute.make_rmem_tensor(cute.make_layout(2), f32)
+            m_safe = cute.make_rmem_tensor(cute.make_layout(2), f32)
+            for h in cutlass.range_constexpr(2):
+                tmax = cute.arch.warp_reduction_max(tile_max[h], threads_in_group=4)
+                m_new = cute.arch.fmax(m_i[h], tmax)
+                ms = m_new
+                if m_new == -f32.inf:  # nothing seen yet by this row
+                    ms = f32(0.0)
+                m_safe[h] = ms
+                scale_o[h] = cute.arch.exp2(m_i[h] - ms)
+                m_i[h] = m_new
+            row_sum = cute.make_rmem_tensor(cute.make_layout(2), f32)
+            row_sum[0] = 0.0
+            row_sum[1] = 0.0
+            for i in cutlass.range_constexpr(n_s):
+                h = (i // 2) % 2
+                p = cute.arch.exp2(acc_s[i] - m_safe[h])
+                acc_s[i] = p
+                row_sum[h] = row_sum[h] + p
+            for h in cutlass.range_constexpr(2):
+                l_i[h] = l_i[h] * scale_o[h] + row_sum[h]  # per-thread partial sums; reduced at the end
+            for j in cutlass.range_constexpr(n_o):
+                acc_o[j] = acc_o[j] * scale_o[(j // 2) % 2]
+
+            # ---- P (bf16, registers) x V (smem): the score accumulator's register layout is the A
+            # operand's for 16-bit types, value for value.
+            tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((BLOCK_M, BN)), bf16)
+            tOrP_as_s = cute.make_tensor(tOrP.iterator, acc_s.layout)
+            tOrP_as_s.store(acc_s.load().to(bf16))
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(pv_mma, acc_o, tOrP[(None, None, k)], tOrV[(None, None, k, stage)], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            kv_handle.release()
+        q_handle.release()
+
+        # ---- epilogue: normalise, write this split's partial output and LSE (log2)
+        lse = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        inv = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        for h in cutlass.range_constexpr(2):
+            total = cute.arch.warp_reduction_sum(l_i[h], threads_in_group=4)
+            lse_h = m_i[h] + cute.math.log2(total, fastmath=False)
+            inv_h = 1.0 / total
+            if total == 0.0:  # no key of this split is visible to the row
+                lse_h = -f32.inf
+                inv_h = f32(0.0)
+            lse[h] = lse_h
+            inv[h] = inv_h
+        for j in cutlass.range_constexpr(n_o):
+            r = tOcO[j][0]
+            if first_row + r < rows:
+                out_row = (row0 + r) * num_splits + split
+                mOPart[out_row, wg * HALF + tOcO[j][1]] = acc_o[j] * inv[(j // 2) % 2]
+        if wg == 0:
+            if tScS[0][1] == 0:  # one thread of the four that share a row
+                for h in cutlass.range_constexpr(2):
+                    r = rows_here[h]
+                    if first_row + r < rows:
+                        mLsePart[(row0 + r) * num_splits + split] = lse[h]
+
+
+def compile_fake(latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int):
+    """Compile the kernel against symbolic tensors only (no GPU, no data), for ``CUTE_DSL_ARCH``.
+
+    What a machine without a GPU can do: trace, lower, and assemble to a cubin
+    (``CUTE_DSL_KEEP=ptx,cubin`` and ``CUTE_DSL_DUMP_DIR`` keep them). The backend compiles
+    against the real tensors of its first call instead (same kernel, same dynamic dims).
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    k = MLADecodeKernel(latent, rope, tokens_per_block, block_n, stages)
+    d = latent + rope
+    n_rows, n_slots, n_part, n_seqs, n_pages = (cute.sym_int32() for _ in range(5))
+    args = (
+        make_fake_compact_tensor(cutlass.BFloat16, (n_rows, d), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.BFloat16, (n_slots, d), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (n_part, latent), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (n_part,), assumed_align=16),
+        make_fake_tensor(cutlass.Int32, (n_seqs, n_pages), (cute.sym_int32(), 1), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
+        cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+        make_fake_stream(),
+    )
+    return cute.compile(k, *args)
+
+
+
+
+def register_layout_problems(block_ns=(16, 32, 64), half: int = 256) -> list[str]:
+    """Check, from the static MMA layouts, what :meth:`MLADecodeKernel.consume` assumes.
+
+    1. Score and output accumulators: value ``i`` of a thread lies in row ``row(value 0) + 8 * ((i // 2) % 2)``
+       (the two rows a thread holds, used for the row statistics and the causal bound).
+    2. P: the bf16 A operand of the P V wgmma, viewed through the score accumulator's layout
+       (``make_tensor(tOrP.iterator, acc_s.layout)``), puts score (m, n) at A coordinate (m, k = n).
+
+    Returns the problems found (empty: all hold). Needs only the DSL (no GPU).
+    """
+    found: dict[int, dict] = {}
+
+    def grab(bn):
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        qk = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K, K, f32, (1, 1, 1), (BLOCK_M, bn))
+        pv = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K, MN, f32, (1, 1, 1), (BLOCK_M, half),
+                                               warpgroup.OperandSource.RMEM)
+        tv_c, tv_a, tv_o = qk.tv_layout_C, pv.tv_layout_A, pv.tv_layout_C
+        acc = qk.get_slice(0).make_fragment_C(qk.get_slice(0).partition_shape_C((BLOCK_M, bn)))
+        r_p = cute.make_rmem_tensor(pv.get_slice(0).partition_shape_A((BLOCK_M, bn)), bf16)
+        n_c, n_a, n_o = (cute.size(x, mode=[1]) for x in (tv_c, tv_a, tv_o))
+        found[bn] = dict(
+            c={(t, v): int(tv_c((t, v))) for t in range(128) for v in range(n_c)},
+            a={(t, a): int(tv_a((t, a))) for t in range(128) for a in range(n_a)},
+            o={(t, v): int(tv_o((t, v))) for t in range(128) for v in range(n_o)},
+            acc_off=[int(acc.layout(i)) for i in range(cute.size(acc))],
+            p_off={(a, kb): int(r_p.layout((a, 0, kb))) for a in range(n_a) for kb in range(bn // 16)},
+        )
+
+    @cute.jit
+    def probe(x: cute.Tensor):
+        for bn in block_ns:  # a Python loop over constants: unrolled at trace time
+            grab(bn)
+
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    cute.compile(probe, make_fake_compact_tensor(cutlass.Float32, (16,)))
+    problems = []
+    for bn, r in found.items():
+        rc = {k: (v % BLOCK_M, v // BLOCK_M) for k, v in r["c"].items()}
+        ra = {k: (v % BLOCK_M, v // BLOCK_M) for k, v in r["a"].items()}
+        ro = {k: v % BLOCK_M for k, v in r["o"].items()}
+        problems += [f"block_n={bn}: score value {v} of thread {t} is in row {m}, not {rc[(t, 0)][0]} + "
+                     f"{8 * ((v // 2) % 2)}" for (t, v), (m, _) in rc.items() if m != rc[(t, 0)][0] + 8 * ((v // 2) % 2)]
+        problems += [f"block_n={bn}: output value {v} of thread {t} is in row {m}" for (t, v), m in ro.items()
+                     if m != ro[(t, 0)] + 8 * ((v // 2) % 2)]
+        value_at = {off: v for v, off in enumerate(r["acc_off"])}
+        for (a, kb), off in r["p_off"].items():
+            v = value_at[off]
+            problems += [f"block_n={bn}: thread {t} P value ({a}, k-block {kb}) holds score {rc[(t, v)]}, the A operand "
+                         f"wants {(ra[(t, a)][0], ra[(t, a)][1] + 16 * kb)}" for t in range(128)
+                         if rc[(t, v)] != (ra[(t, a)][0], ra[(t, a)][1] + 16 * kb)]
+    return problems

@@ -1,0 +1,306 @@
+"""CuTe DSL paged MLA decode / verify for Hopper (sm90): the ``cute_mla`` backend.
+
+Status: the kernel compiles for ``sm_90a`` (on a CPU too, ``CUTE_DSL_ARCH=sm_90a``) and its
+register-layout assumptions are checked at compile time (``tests/test_cute_mla.py``), but it
+has **not run on a GPU yet**: ``VALIDATED_SM`` is empty, so :meth:`CuteMLABackend.supports`
+refuses every shape ("not yet validated on SM90") and the selector never picks it. FP8 E4M3
+caches and Helix are refused too (not implemented here). Add 90 to ``VALIDATED_SM`` only after
+the GPU tests pass on an H100/H200::
+
+    pip install nvidia-cutlass-dsl==4.8.1   # 4.8.1 is what was compiled against
+    PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
+    PYTHONPATH=$PWD python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out OUT/mla
+
+On a machine that cannot reach PyPI, install the wheels (Python 3.12 there: ``nvidia-cutlass-dsl``,
+``-libs-base``, ``-libs-core``, ``-libs-cu13``; ``cuda-bindings`` is usually present) with
+``pip install --no-index --no-deps --target /tmp/site WHEELS`` and put ``/tmp/site`` on
+``PYTHONPATH`` (this module adds the package's ``dsl_packages`` folder itself).
+
+``nvidia-cutlass-dsl`` 4.8.1 is a 10 KB meta package over ``-libs-base`` (3.1 MB wheel),
+``-libs-core`` (1.6 MB) and ``-libs-cu12`` or ``-libs-cu13`` (92 MB wheel, 237 MB installed: one
+MLIR/LLVM shared library), plus ``cuda-bindings``; about 295 MB installed. It imports and
+compiles kernels on a machine without a GPU; running them needs the driver.
+
+Kernel (``_cute_mla_kernel.MLADecodeKernel``)
+---------------------------------------------
+Absorbed MLA: queries ``[T, H, 512 + 64]``, one latent KV head ``[slots, 1, 576]`` addressed
+through page tables, V = the first 512 values of each cached row, output ``[T, H, 512]``.
+
+* Rows: a request's ``q_len * H`` query rows, token-major (a contiguous slab of
+  ``q.view(T * H, 576)``), in blocks of 64 (one wgmma M). H = 96 x q_len 2 = 192 rows is three
+  full blocks; only a request's last block can be partial (tile granularity).
+* Grid ``(row blocks, splits, requests)``, 384 threads: warpgroup 0 is the producer (one warp
+  issues TMA: the 64 x 576 Q block once, then the split's KV tiles page by page into a ring of
+  ``stages`` shared-memory buffers; ``setmaxnreg`` 40), warpgroups 1 and 2 consume
+  (``setmaxnreg`` 232).
+* Tiles: ``block_n = min(64, page size)`` keys, so a tile never spans pages: one page-table
+  lookup and one TMA copy (nine 64-column boxes, 128-byte swizzle) per tile; ring depth
+  ``128 / block_n`` (2 x 64, 4 x 32, 8 x 16 keys: ~144 KB) + Q 72 KB.
+* Math per tile, both consumer warpgroups: S = Q K^T with wgmma (m64 n``block_n`` k16, Q and K
+  from shared memory, fp32 accumulators); causal mask per row (row r sees keys
+  ``< kv_len - q_len + r // H + 1``); online softmax in the log2 domain; P rounded to bf16 in
+  registers; O += P V with wgmma m64 n256 k16, A = P from registers, B = V read transposed
+  (MN-major) from the same K tile. Warpgroup w owns O columns ``[256 w, 256 w + 256)``: the
+  64 x 512 fp32 accumulator is split across the two warpgroups (128 registers per thread each),
+  and each computes the whole S itself (S costs 576/512 of a PV; computing it twice trades
+  tensor-core time for no exchange of P through shared memory).
+* A request's last tile may include the page's tail past ``kv_len`` (anything, NaN included,
+  and P = 0 does not cancel NaN): the consumers zero those rows in shared memory first.
+* Split-KV: each (row block, split) writes its partial output (fp32, normalised over its
+  keys) and LSE (log2); :func:`~specdec.attention.mla_pack.merge_partials` merges them
+  exactly (torch ops; one split is the same merge). ``attend(..., return_lse=True)`` returns
+  the natural-log LSE, as ``triton_mla`` does, for Helix-style combines.
+
+Not done yet (in order): GPU validation; an FP8 E4M3 path (wgmma has no bf16 x e4m3 form: an
+in-shared-memory e4m3 -> bf16 conversion stage by the producer warpgroup); a fused merge
+(and bf16 output written by the kernel when there is one split); P shared through shared
+memory instead of recomputing S in both warpgroups; a persistent grid; Helix page tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.attention.backends.base import AttentionBackend, PhaseBatch
+from specdec.attention.mla_pack import LOG2E, choose_splits, merge_partials, row_blocks
+from specdec.attention.shapes import YES, AttnShape, Verdict, no
+
+TOKENS_PER_BLOCK = (16, 32, 64, 128)
+LATENT, ROPE = 512, 64  # the only dims compiled and tested (DeepSeek-V3 / Kimi absorbed MLA)
+MAX_Q_LEN = 8
+MAX_HEADS = 128
+Q_DTYPES = ("bfloat16",)
+KV_DTYPES = ("bfloat16",)
+BLOCK_M = 64
+# GPU archs on which tests/test_cute_mla.py::TestGPU has passed. Empty: never selected, never run
+# by a request. Add 90 only after that class passes on an H100/H200.
+VALIDATED_SM: tuple[int, ...] = ()
+# (kv_dtype, max_q_len) classes where bench/mla_decode.py measured cute_mla faster than triton_mla
+# on a validated arch; elsewhere cost() ranks it behind triton_mla.
+MEASURED_FASTER: frozenset[tuple[str, int]] = frozenset()
+
+
+
+def _import_kernel():
+    """The kernel module, or the reason it cannot be imported.
+
+    ``pip install --target DIR`` (how wheels are installed beside a read-only environment) skips
+    the package's ``.pth`` file, which puts ``nvidia_cutlass_dsl/dsl_packages`` on ``sys.path``:
+    that one step is repeated here when ``cutlass`` is otherwise missing.
+    """
+    try:
+        from specdec.attention.backends import _cute_mla_kernel as kernel
+        return kernel, None
+    except ImportError as exc:
+        first = exc
+    try:
+        import os
+        import sys
+
+        import nvidia_cutlass_dsl  # noqa: F401 - the wheel without its .pth applied
+
+        path = os.path.join(nvidia_cutlass_dsl.__path__[0], "dsl_packages")
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+        from specdec.attention.backends import _cute_mla_kernel as kernel
+        return kernel, None
+    except ImportError:
+        return None, f"{type(first).__name__}: {first}"
+
+
+# The kernel needs nvidia-cutlass-dsl; without it this module still imports and refuses every shape.
+_kernel, IMPORT_ERROR = _import_kernel()
+
+
+@dataclass(frozen=True, slots=True)
+class CuteMLAPlan:
+    """Device metadata of one generation phase (built once per step)."""
+
+    page_table: torch.Tensor  # [num_seqs, max_pages] int32
+    kv_lens: torch.Tensor  # [num_seqs] int32
+    q_start: torch.Tensor  # [num_seqs] int32
+    q_lens: torch.Tensor  # [num_seqs] int32
+    num_seqs: int
+    num_tokens: int
+    max_q_len: int
+    max_kv_len: int
+    tokens_per_block: int
+    num_sms: int
+
+
+class CuteMLABackend(AttentionBackend):
+    """Paged absorbed-MLA decode / verify in CuTe DSL (wgmma, TMA, warp-specialised), sm90."""
+
+    name = "cute_mla"
+
+    def __init__(self, num_splits: int | None = None):
+        self.num_splits = num_splits  # None: the makespan model (mla_pack.choose_splits)
+        self._compiled: dict[tuple, Any] = {}
+        self._sms: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ supports / cost
+
+    def supports(self, shape: AttnShape) -> Verdict:
+        """Limits: MLA generation phases (decode or verify up to ``MAX_Q_LEN`` tokens), one latent
+        KV head of 512 + 64, ``num_heads <= 128``, pages of 16/32/64/128, bf16 queries and cache, no
+        Helix; cuda at an arch in ``VALIDATED_SM`` (empty until the GPU tests pass), with
+        ``nvidia-cutlass-dsl`` installed."""
+        if shape.kind != "mla":
+            return no(f"kind must be 'mla' (latent cache), got {shape.kind!r}")
+        if shape.phase != "generation":
+            return no(f"phase must be 'generation' (decode/verify), got {shape.phase!r}")
+        if shape.num_kv_heads != 1:
+            return no(f"num_kv_heads must be 1 (one latent head), got {shape.num_kv_heads}")
+        if shape.helix_cp != 1:
+            return no(f"Helix (helix_cp={shape.helix_cp}) is not implemented in cute_mla (rank-local page tables)")
+        if shape.max_q_len > MAX_Q_LEN:
+            return no(f"max_q_len must be <= {MAX_Q_LEN}, got {shape.max_q_len}")
+        if shape.num_heads > MAX_HEADS:
+            return no(f"num_heads must be <= {MAX_HEADS}, got {shape.num_heads}")
+        if (shape.v_head_dim, shape.head_dim - shape.v_head_dim) != (LATENT, ROPE):
+            return no(f"only latent {LATENT} + rope {ROPE} is compiled, got {shape.v_head_dim} + "
+                      f"{shape.head_dim - shape.v_head_dim}")
+        if shape.tokens_per_block not in TOKENS_PER_BLOCK:
+            return no(f"tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {shape.tokens_per_block}")
+        if shape.device != "cuda":
+            return no(f"device must be cuda (a CuTe DSL kernel for sm90), got {shape.device}")
+        if shape.q_dtype not in Q_DTYPES:
+            return no(f"q_dtype must be one of {Q_DTYPES}, got {shape.q_dtype}")
+        if shape.kv_dtype == "float8_e4m3fn":
+            return no("FP8 E4M3 KV is not implemented in cute_mla yet (wgmma has no bf16 x e4m3 form; "
+                      "needs an in-shared-memory conversion stage)")
+        if shape.kv_dtype not in KV_DTYPES:
+            return no(f"kv_dtype must be one of {KV_DTYPES}, got {shape.kv_dtype}")
+        if IMPORT_ERROR is not None:
+            return no(f"nvidia-cutlass-dsl is not importable ({IMPORT_ERROR})")
+        if shape.sm != 90:
+            return no(f"the kernel is written for sm90 (wgmma, setmaxnreg), got sm={shape.sm}")
+        if shape.sm not in VALIDATED_SM:
+            return no(f"not yet validated on SM{shape.sm} (gate: tests/test_cute_mla.py::TestGPU; "
+                      f"validated: {VALIDATED_SM})")
+        return YES
+
+    def cost(self, shape: AttnShape) -> float:
+        # triton_mla costs 10 on the GPU: cute_mla goes ahead of it only in classes measured faster.
+        if (shape.kv_dtype, shape.max_q_len) in MEASURED_FASTER:
+            return 5.0
+        return 20.0
+
+    # ------------------------------------------------------------------ plan / run
+
+    def _num_sms(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 132
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._sms:
+            self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._sms[index]
+
+    def plan(self, batch: PhaseBatch) -> CuteMLAPlan:
+        """Upload the phase's page tables and lengths (unsharded only)."""
+        tpb = batch.tokens_per_block
+        if tpb not in TOKENS_PER_BLOCK:
+            raise ValueError(f"cute_mla: tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {tpb}")
+        if batch.shard is not None and getattr(batch.shard, "cp", 1) > 1:
+            raise ValueError("cute_mla: Helix shards are not supported")
+        pages = [-(-n // tpb) for n in batch.kv_lens]
+        max_pages = max(1, *pages)
+        rows = []
+        for i, (q_len, kv_len, n, pt) in enumerate(zip(batch.q_lens, batch.kv_lens, pages, batch.page_tables)):
+            if not 1 <= q_len <= kv_len or len(pt) < n:
+                raise ValueError(f"cute_mla: request {i} has q_len={q_len}, kv_len={kv_len}, {len(pt)} pages")
+            rows.append(list(pt[:n]) + [0] * (max_pages - n))
+        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
+        q_start = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+        dev = batch.device
+        return CuteMLAPlan(
+            page_table=torch.tensor(rows, dtype=torch.int32).to(dev),
+            kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32).to(dev),
+            q_start=q_start.to(dev),
+            q_lens=q_lens.to(dev),
+            num_seqs=len(batch.q_lens),
+            num_tokens=batch.num_tokens,
+            max_q_len=max(batch.q_lens),
+            max_kv_len=max(batch.kv_lens),
+            tokens_per_block=tpb,
+            num_sms=self._num_sms(dev),
+        )
+
+    def splits_for(self, plan: CuteMLAPlan, num_heads: int) -> int:
+        """KV splits of a launch: fixed, or the makespan model over one CTA per SM."""
+        if self.num_splits is not None:
+            return self.num_splits
+        block_n, _ = kernel_config(plan.tokens_per_block)
+        ctas = plan.num_seqs * row_blocks(plan.max_q_len, num_heads, BLOCK_M)
+        return choose_splits(ctas, plan.max_kv_len, plan.num_sms, block_n=block_n)
+
+    def run(self, plan: CuteMLAPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+            scale: float, v_head_dim: int, *, kv_scale: float = 1.0) -> torch.Tensor:
+        if v_cache is not None:
+            raise ValueError("cute_mla reads V from the latent cache; v_cache must be None")
+        return self.attend(plan, q, k_cache, scale, v_head_dim, kv_scale=kv_scale)
+
+    def attend(self, plan: CuteMLAPlan, q: torch.Tensor, k_cache: torch.Tensor, scale: float, v_head_dim: int, *,
+               kv_scale: float = 1.0, return_lse: bool = False, out_dtype: torch.dtype | None = None,
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as ``TritonMLABackend.attend``: ``out [T, H, latent]`` (and with ``return_lse``
+        the natural-log LSE ``[T, H]`` fp32 of ``scale * kv_scale * q . k``)."""
+        if _kernel is None:
+            raise RuntimeError(f"cute_mla needs nvidia-cutlass-dsl ({IMPORT_ERROR})")
+        num_tokens, num_heads, head_dim = q.shape
+        if num_tokens != plan.num_tokens or k_cache.shape[1:] != (1, head_dim):
+            raise ValueError(f"cute_mla: q {tuple(q.shape)} / k_cache {tuple(k_cache.shape)} do not match the plan "
+                             f"({plan.num_tokens} tokens, one latent head of width {head_dim})")
+        if (v_head_dim, head_dim - v_head_dim) != (LATENT, ROPE):
+            raise ValueError(f"cute_mla: only {LATENT} + {ROPE} is compiled, got {v_head_dim} + {head_dim - v_head_dim}")
+        if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
+            raise ValueError(f"cute_mla: bf16 queries and cache only, got q {q.dtype}, cache {k_cache.dtype}")
+        if not k_cache.is_contiguous():
+            raise ValueError("cute_mla: k_cache must be contiguous")
+        q = q.contiguous()
+        splits = self.splits_for(plan, num_heads)
+        n_rows = num_tokens * num_heads
+        o_part = torch.empty(n_rows * splits, v_head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(n_rows * splits, dtype=torch.float32, device=q.device)
+        grid_m = row_blocks(plan.max_q_len, num_heads, BLOCK_M)
+        self._launch(plan, q.view(n_rows, head_dim), k_cache.view(-1, head_dim), o_part, lse_part,
+                     scale * kv_scale * LOG2E, num_heads, splits, grid_m)
+        out, lse = merge_partials(o_part.view(n_rows, splits, v_head_dim), lse_part.view(n_rows, splits),
+                                  torch.float32)
+        if kv_scale != 1.0:
+            out = out * kv_scale
+        out = out.to(out_dtype or q.dtype).view(num_tokens, num_heads, v_head_dim)
+        return (out, lse.view(num_tokens, num_heads)) if return_lse else out
+
+    def _launch(self, plan, q2, kv2, o_part, lse_part, scale_log2, num_heads, splits, grid_m) -> None:
+        import cuda.bindings.driver as cuda_driver
+        import cutlass
+        from cutlass.cute.runtime import from_dlpack
+
+        def dyn_rows(t):  # dim 0 dynamic, inner dims static: one compile serves every batch
+            return from_dlpack(t, assumed_align=16).mark_compact_shape_dynamic(mode=0)
+
+        args = (dyn_rows(q2), dyn_rows(kv2), dyn_rows(o_part), dyn_rows(lse_part),
+                from_dlpack(plan.page_table, assumed_align=4).mark_layout_dynamic(leading_dim=1),
+                dyn_rows(plan.kv_lens), dyn_rows(plan.q_start), dyn_rows(plan.q_lens),
+                cutlass.Float32(scale_log2), cutlass.Int32(num_heads), cutlass.Int32(splits),
+                cutlass.Int32(grid_m), cutlass.Int32(plan.num_seqs),
+                cuda_driver.CUstream(torch.cuda.current_stream(q2.device).cuda_stream if q2.is_cuda else 0))
+        key = (LATENT, ROPE, plan.tokens_per_block)
+        if key not in self._compiled:
+            import cutlass.cute as cute
+
+            block_n, stages = kernel_config(plan.tokens_per_block)
+            k = _kernel.MLADecodeKernel(LATENT, ROPE, plan.tokens_per_block, block_n, stages)
+            self._compiled[key] = cute.compile(k, *args)
+        self._compiled[key](*args)
+
+
+def kernel_config(tokens_per_block: int) -> tuple[int, int]:
+    """``(block_n, stages)`` for a page size (see the module docstring)."""
+    block_n = min(64, tokens_per_block)
+    return block_n, max(2, 128 // block_n)
+

@@ -1,0 +1,405 @@
+"""The CuTe DSL MLA backend (``cute_mla``): host logic on the CPU, the kernel on an sm90 GPU.
+
+CPU (always): ``supports`` verdicts and reasons; the module imports without
+``nvidia-cutlass-dsl``; the kernel's decomposition (row blocks, splits, tiles, causal bounds,
+page-tail zeroing, LSE merge) emulated in PyTorch (:func:`~specdec.attention.mla_pack.emulate_blocks`)
+equals ``torch_ref`` over random batches (hypothesis).
+
+CPU with ``nvidia-cutlass-dsl`` installed (skipped otherwise): the kernel compiles for
+``sm_90a`` without a GPU, with wgmma / TMA / setmaxnreg in its PTX, and the register-layout
+facts it relies on hold (:func:`register_layout_problems`).
+
+GPU (``-m gpu``, an sm90 GPU and the package): the kernel against ``torch_ref`` over the issue's
+grid (H 16/48/64/96/128 x q_len 1/2/4/8 x pages 16/64/128, bf16, with LSE, forced splits).
+This class is the gate for ``cute_mla.VALIDATED_SM``::
+
+    PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdec.attention.backends import cute_mla
+from specdec.attention.backends.base import PhaseBatch
+from specdec.attention.backends.cute_mla import CuteMLABackend, kernel_config
+from specdec.attention.backends.torch_ref import TorchRefBackend
+from specdec.attention.mla_pack import (block_keys, choose_splits, emulate_blocks, merge_partials, row_blocks,
+                                        split_chunk)
+from specdec.attention.shapes import AttnShape
+
+HAS_CUTLASS = cute_mla.IMPORT_ERROR is None
+HAS_CUDA = torch.cuda.is_available()
+needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason=f"nvidia-cutlass-dsl not importable: {cute_mla.IMPORT_ERROR}")
+
+
+def mla_gpu(**kw) -> AttnShape:
+    base = dict(phase="generation", kind="mla", num_heads=96, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                tokens_per_block=64, max_q_len=2, kv_dtype="bfloat16", q_dtype="bfloat16", device="cuda", sm=90)
+    return AttnShape(**{**base, **kw})
+
+
+def make_pool(q_lens, kv_lens, *, tpb, d, dtype=torch.float32, device="cpu", seed=0):
+    """Requests over a paged latent cache with shuffled page tables (two spare pages each); every slot
+    outside a request's context, page tails included, is NaN (slot 0 excepted: the reference pads with it)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(kv / tpb) for kv in kv_lens]
+    num_pages = sum(pages) + 2 * len(pages) + 3
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(tuple(perm[at: at + n + 2]))
+        at += n + 2
+    cache = torch.randn(num_pages * tpb, 1, d, generator=g)
+    valid = torch.zeros(num_pages * tpb, dtype=torch.bool)
+    for kv, table in zip(kv_lens, tables):
+        valid[[table[p // tpb] * tpb + p % tpb for p in range(kv)]] = True
+    valid[0] = True
+    cache[~valid] = float("nan")
+    batch = PhaseBatch(tuple(q_lens), tuple(kv_lens), tuple(tables), tpb, torch.device(device))
+    return batch, cache.to(device=device, dtype=dtype)
+
+
+def reference(batch, q, cache, scale, lat):
+    ref = TorchRefBackend()
+    return ref.run(ref.plan(batch), q.float(), cache.float(), None, scale, lat)
+
+
+def reference_lse(batch, q, cache, scale):
+    """Natural-log LSE of each query row, fp32, gathered like torch_ref."""
+    out = []
+    start = 0
+    tpb = batch.tokens_per_block
+    for q_len, kv_len, table in zip(batch.q_lens, batch.kv_lens, batch.page_tables):
+        slots = [table[p // tpb] * tpb + p % tpb for p in range(kv_len)]
+        k = cache[slots, 0].float()  # [kv, D]
+        s = torch.einsum("thd,kd->thk", q[start: start + q_len].float(), k) * scale
+        pos = torch.arange(kv_len)
+        mask = pos[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]  # [q_len, kv]
+        s = s.masked_fill(~mask[:, None, :], -math.inf)
+        out.append(torch.logsumexp(s, dim=-1))
+        start += q_len
+    return torch.cat(out)
+
+
+# --------------------------------------------------------------------------- supports (no kernel)
+
+
+@pytest.mark.parametrize(("overrides", "reason"), [
+    (dict(kind="gqa", num_kv_heads=8, head_dim=128, v_head_dim=128), "kind must be 'mla'"),
+    (dict(phase="context", max_q_len=512), "phase must be 'generation'"),
+    (dict(helix_cp=4), "Helix (helix_cp=4) is not implemented"),
+    (dict(max_q_len=9), "max_q_len must be <= 8"),
+    (dict(num_heads=160), "num_heads must be <= 128"),
+    (dict(head_dim=192, v_head_dim=128), "only latent 512 + rope 64"),
+    (dict(tokens_per_block=8), "tokens_per_block must be one of"),
+    (dict(tokens_per_block=256), "tokens_per_block must be one of"),
+    (dict(device="cpu", sm=None), "device must be cuda"),
+    (dict(q_dtype="float32"), "q_dtype must be one of ('bfloat16',)"),
+    (dict(kv_dtype="float8_e4m3fn"), "FP8 E4M3 KV is not implemented in cute_mla yet"),
+    (dict(kv_dtype="float32"), "kv_dtype must be one of ('bfloat16',)"),
+])
+def test_supports_refuses_with_the_reason(overrides, reason):
+    verdict = CuteMLABackend().supports(mla_gpu(**overrides))
+    assert not verdict.ok and reason in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize("h", [16, 48, 64, 96, 128])
+@pytest.mark.parametrize("q_len", [1, 2, 4, 8])
+@pytest.mark.parametrize("tpb", [16, 32, 64, 128])
+def test_supports_the_issue_grid_only_once_validated(h, q_len, tpb):
+    """Every in-scope shape is refused for exactly one reason until sm90 is validated: the missing
+    package, or "not yet validated on SM90"; once validated, accepted."""
+    shape = mla_gpu(num_heads=h, max_q_len=q_len, tokens_per_block=tpb, mixed=h % 2 == 0)
+    verdict = CuteMLABackend().supports(shape)
+    if not HAS_CUTLASS:
+        assert not verdict.ok and "nvidia-cutlass-dsl is not importable" in verdict.reason
+    elif 90 in cute_mla.VALIDATED_SM:
+        assert verdict.ok, verdict.reason
+    else:
+        assert not verdict.ok and "not yet validated on SM90" in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize("sm", [80, 89, 100, 120, None])
+def test_other_archs_are_refused(sm):
+    verdict = CuteMLABackend().supports(mla_gpu(sm=sm))
+    assert not verdict.ok and verdict.reason
+
+
+def test_the_validation_gate_is_what_admits_sm90(monkeypatch):
+    """With the package importable, VALIDATED_SM alone decides sm90 (the selector never sees it before)."""
+    monkeypatch.setattr(cute_mla, "IMPORT_ERROR", None)
+    monkeypatch.setattr(cute_mla, "VALIDATED_SM", ())
+    assert "not yet validated on SM90" in CuteMLABackend().supports(mla_gpu()).reason
+    monkeypatch.setattr(cute_mla, "VALIDATED_SM", (90,))
+    assert CuteMLABackend().supports(mla_gpu()).ok
+
+
+def test_cost_ranks_it_behind_triton_until_measured(monkeypatch):
+    backend = CuteMLABackend()
+    assert backend.cost(mla_gpu()) > 10.0  # triton_mla's GPU cost
+    assert backend.cost(mla_gpu()) < 100.0  # torch_ref's
+    monkeypatch.setattr(cute_mla, "MEASURED_FASTER", frozenset({("bfloat16", 2)}))
+    assert backend.cost(mla_gpu()) < 10.0
+    assert backend.cost(mla_gpu(max_q_len=4)) > 10.0
+
+
+def test_the_module_imports_and_refuses_without_the_package():
+    """A fresh interpreter where ``cutlass`` cannot be imported: the backend module imports, every
+    shape is refused with the reason, and attend says what is missing."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'cutlass' or name.startswith('cutlass.'):\n"
+        "            raise ImportError('blocked for the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from specdec.attention.backends import cute_mla\n"
+        "from specdec.attention.shapes import AttnShape\n"
+        "assert cute_mla.IMPORT_ERROR and 'blocked' in cute_mla.IMPORT_ERROR, cute_mla.IMPORT_ERROR\n"
+        "s = AttnShape('generation', 'mla', 96, 1, 576, 512, 64, 2, 'bfloat16', 'bfloat16', 'cuda', 90)\n"
+        "v = cute_mla.CuteMLABackend().supports(s)\n"
+        "assert not v.ok and 'nvidia-cutlass-dsl is not importable' in v.reason, v.reason\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+# --------------------------------------------------------------------------- the decomposition, on the CPU
+
+
+def test_row_blocks_pad_only_to_tile_granularity():
+    assert row_blocks(2, 96) == 3  # 192 rows: three full blocks of 64
+    assert row_blocks(1, 16) == 1 and row_blocks(8, 128) == 16 and row_blocks(1, 96) == 2
+
+
+@given(kv_len=st.integers(1, 5000), splits=st.integers(1, 64), block_n=st.sampled_from([16, 32, 64]))
+def test_splits_cover_every_key_once_in_whole_tiles(kv_len, splits, block_n):
+    chunk = split_chunk(kv_len, splits, block_n)
+    assert chunk % block_n == 0 and chunk * splits >= kv_len
+    covered = []
+    for s in range(splits):
+        k = block_keys(1, kv_len, 1, 0, s, splits, block_n)
+        covered += list(range(k.lo, k.hi))
+        assert k.n_tiles * block_n >= k.hi - k.lo >= (k.n_tiles - 1) * block_n if k.n_tiles else k.hi <= k.lo
+    assert covered == list(range(kv_len))
+
+
+@given(q_len=st.integers(1, 8), h=st.integers(1, 130), kv_extra=st.integers(0, 300), mblk=st.integers(0, 20))
+def test_a_row_block_reads_every_key_its_rows_see(q_len, h, kv_extra, mblk):
+    kv_len = q_len + kv_extra
+    if mblk >= row_blocks(q_len, h):
+        return
+    k = block_keys(q_len, kv_len, h, mblk, 0, 1, 64)
+    last_row = min(mblk * 64 + 63, q_len * h - 1)
+    assert k.lo == 0 and k.hi == kv_len - q_len + last_row // h + 1  # exactly the last row's causal bound
+
+
+@given(n_ctas=st.integers(1, 2048), kv=st.integers(1, 70000), sms=st.sampled_from([1, 78, 132]))
+def test_choose_splits_stays_in_range(n_ctas, kv, sms):
+    s = choose_splits(n_ctas, kv, sms, block_n=64)
+    assert 1 <= s <= max(1, min(64, kv // 256))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), splits=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_merge_of_split_partials_equals_attention_over_the_whole(rows, splits, seed):
+    """Scores of ``rows`` rows over random keys, cut into ``splits`` parts (some empty): merging the
+    per-part softmax outputs by their log2 LSE equals softmax over all keys; rows with no key give 0, -inf."""
+    g = torch.Generator().manual_seed(seed)
+    n_keys = int(torch.randint(0, 50, (1,), generator=g))
+    s = torch.randn(rows, n_keys, generator=g, dtype=torch.float64) * 3
+    v = torch.randn(n_keys, 8, generator=g, dtype=torch.float64)
+    cuts = sorted(torch.randint(0, n_keys + 1, (splits - 1,), generator=g).tolist())
+    bounds = [0, *cuts, n_keys]
+    o_part = torch.zeros(rows, splits, 8, dtype=torch.float32)
+    lse2 = torch.full((rows, splits), -math.inf, dtype=torch.float32)
+    for i in range(splits):
+        a, b = bounds[i], bounds[i + 1]
+        if b > a:
+            o_part[:, i] = torch.softmax(s[:, a:b], dim=1).float() @ v[a:b].float()
+            lse2[:, i] = (torch.logsumexp(s[:, a:b], dim=1) / math.log(2)).float()
+    out, lse = merge_partials(o_part, lse2, torch.float32)
+    if n_keys == 0:
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+        return
+    torch.testing.assert_close(out, (torch.softmax(s, dim=1) @ v).float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(s, dim=1).float(), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    h=st.sampled_from([1, 3, 16, 24, 40]),
+    q_lens=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    extra=st.lists(st.integers(0, 90), min_size=3, max_size=3),
+    tpb=st.sampled_from([16, 32, 64, 128]),
+    splits=st.integers(1, 5),
+    seed=st.integers(0, 1000),
+)
+def test_the_kernel_decomposition_equals_the_reference(h, q_lens, extra, tpb, splits, seed):
+    """Row blocks of 64, ``block_n = min(64, page)``, forced splits, zeroed page tails, merged by LSE:
+    the emulated kernel equals torch_ref (fp32, NaN everywhere outside the contexts), LSE included."""
+    kv_lens = [q + e for q, e in zip(q_lens, extra)]
+    lat, rope = 32, 16
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
+    q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1))
+    scale = (lat + rope) ** -0.5 * 1.3
+    block_n, _ = kernel_config(tpb)
+    o_part, lse2 = emulate_blocks(q, cache, batch.page_tables, q_lens, kv_lens, tokens_per_block=tpb, scale=scale,
+                                  v_head_dim=lat, num_splits=splits, block_n=block_n)
+    out, lse = merge_partials(o_part, lse2, torch.float32)
+    want = reference(batch, q, cache, scale, lat)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(out.view(-1, h, lat), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, reference_lse(batch, q, cache, scale).reshape(-1), atol=2e-5, rtol=2e-5)
+
+
+def test_without_the_tail_zeroing_nan_leaks():
+    """The zeroing of a page's tail is what keeps NaN out: skip it (read the raw tile) and the
+    emulation fails, so the test above can fail."""
+    batch, cache = make_pool([1], [20], tpb=32, d=48, seed=1)
+    q = torch.randn(1, 4, 48)
+    p = batch.page_tables[0][0]
+    tile = cache[p * 32: p * 32 + 32, 0]
+    s = torch.softmax(torch.where(torch.arange(32) < 20, q[0] @ tile.T, -math.inf), dim=1)
+    assert torch.isnan(s @ tile[:, :32]).all()  # 0 * NaN in P V
+
+
+# --------------------------------------------------------------------------- compiles without a GPU
+
+
+def run_for_sm90a(code: str, **env_extra) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``CUTE_DSL_ARCH=sm_90a`` (the DSL reads it once per process)."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path]),
+           **env_extra}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+
+
+@needs_cutlass
+def test_register_layout_assumptions_hold():
+    done = run_for_sm90a("from specdec.attention.backends import _cute_mla_kernel as K\n"
+                         "p = K.register_layout_problems()\nprint(len(p), p[:5])\n")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.strip().startswith("0 "), done.stdout[-3000:]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("tpb", [16, 32, 64, 128])
+def test_kernel_compiles_for_sm90a_without_a_gpu(tpb, tmp_path):
+    """In a subprocess (the arch is read once per process): CUTE_DSL_ARCH=sm_90a, PTX and cubin kept;
+    the PTX has the wgmma shapes, TMA loads and register reallocation of the design."""
+    code = (
+        "from specdec.attention.backends import _cute_mla_kernel as K\n"
+        "from specdec.attention.backends.cute_mla import kernel_config\n"
+        f"K.compile_fake(512, 64, {tpb}, *kernel_config({tpb}))\n"
+    )
+    done = run_for_sm90a(code, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ptx = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
+    cubin = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
+    assert len(ptx) == 1 and len(cubin) == 1 and cubin[0].stat().st_size > 10_000
+    text = ptx[0].read_text()
+    assert ".target sm_90a" in text
+    block_n = min(64, tpb)
+    assert text.count(f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16") == 576 // 16  # S = Q K^T
+    assert text.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == block_n // 16  # O += P V
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in text
+    assert "setmaxnreg.dec.sync.aligned.u32" in text and "setmaxnreg.inc.sync.aligned.u32" in text
+    assert ".local" not in text  # no local-memory arrays in the PTX
+
+
+@needs_cutlass
+def test_the_backend_compiles_against_real_tensors_and_stops_only_at_the_launch():
+    """``attend`` on CPU tensors: the arguments are converted and the kernel compiled for them (the path
+    a GPU call takes); only the launch fails, for want of a CUDA driver."""
+    code = (
+        "import torch\n"
+        "from specdec.attention.backends.cute_mla import CuteMLABackend\n"
+        "from specdec.attention.backends.base import PhaseBatch\n"
+        "b = CuteMLABackend()\n"
+        "plan = b.plan(PhaseBatch((2, 1), (70, 5), ((3, 1, 0), (2,)), 64, torch.device('cpu')))\n"
+        "q, cache = torch.randn(3, 16, 576).bfloat16(), torch.randn(256, 1, 576).bfloat16()\n"
+        "try:\n"
+        "    b.attend(plan, q, cache, 0.1, 512)\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, 'Driver' in str(e) or 'driver' in str(e))\n"
+        "print(sorted(b._compiled))\n"
+    )
+    done = run_for_sm90a(code)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "DSLCudaRuntimeError True" in done.stdout and "[(512, 64, 64)]" in done.stdout, done.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+GPU_KV_LENS = (1000, 333, 2055)
+
+
+def gpu_case(h, q_lens, kv_lens, *, tpb, num_splits=None, seed=0, check_lse=True):
+    lat, rope = 512, 64
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, dtype=torch.bfloat16, device="cuda", seed=seed)
+    q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1))
+    q = q.to("cuda", torch.bfloat16)
+    scale = (128 + 64) ** -0.5
+    backend = CuteMLABackend(num_splits=num_splits)
+    plan = backend.plan(batch)
+    out, lse = backend.attend(plan, q, cache, scale, lat, return_lse=True)
+    want = reference(batch, q, cache, scale, lat)
+    assert out.shape == (sum(q_lens), h, lat) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    if check_lse:
+        want_lse = reference_lse(batch, q.cpu(), cache.cpu(), scale).view(-1, h).to("cuda")
+        torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=2e-2)
+    assert torch.equal(backend.run(plan, q, cache, None, scale, lat), out)  # run == attend, deterministic
+    return backend
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.skipif(not HAS_CUTLASS, reason=f"nvidia-cutlass-dsl not importable: {cute_mla.IMPORT_ERROR}")
+class TestGPU:
+    """The gate for ``cute_mla.VALIDATED_SM``: runs the kernel on the GPU present whether or not
+    ``supports`` claims its arch yet (bf16 queries and cache, 512 + 64)."""
+
+    @pytest.fixture(autouse=True)
+    def _sm90(self):
+        major, minor = torch.cuda.get_device_capability()
+        if major * 10 + minor != 90:
+            pytest.skip(f"the kernel is written for sm90, this GPU is sm{major}{minor}")
+
+    @pytest.mark.parametrize("tpb", [16, 64, 128])
+    @pytest.mark.parametrize("q_len", [1, 2, 4, 8])
+    @pytest.mark.parametrize("h", [16, 48, 64, 96, 128])
+    def test_grid_vs_reference(self, h, q_len, tpb):
+        q_lens = (q_len, max(1, q_len - 1), q_len)
+        shape = dataclasses.replace(mla_gpu(num_heads=h, max_q_len=q_len, tokens_per_block=tpb))
+        if 90 in cute_mla.VALIDATED_SM:
+            assert CuteMLABackend().supports(shape).ok
+        gpu_case(h, q_lens, GPU_KV_LENS, tpb=tpb, seed=h + q_len + tpb)
+
+    @pytest.mark.parametrize("splits", [1, 2, 7, 33])
+    @pytest.mark.parametrize("tpb", [32, 64])
+    def test_forced_splits(self, splits, tpb):
+        """Splits of keys no row of a block sees, and empty splits (33 splits of a 17-key request)."""
+        gpu_case(96, (4, 1, 3), (4096, 17, 777), tpb=tpb, num_splits=splits)
+
+    def test_odd_heads_and_partial_blocks(self):
+        gpu_case(33, (3, 1, 8), (70, 5, 200), tpb=16, num_splits=2)
+
+    def test_long_single_request_and_large_batch(self):
+        gpu_case(128, (1,), (32768,), tpb=64, check_lse=False)
+        kv = torch.randint(8, 3000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+        gpu_case(16, (4,) * 64, tuple(kv), tpb=32, check_lse=False)
