@@ -39,7 +39,6 @@ from results_io import run_header, top_functions, write_results  # noqa: E402
 from step_profile import largest_generation_graph, prompts, random_target, sync  # noqa: E402
 
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
-from specdec.attention.selector import get_backend  # noqa: E402
 from specdec.graphs import pad_step_into  # noqa: E402
 
 
@@ -132,13 +131,13 @@ def main() -> None:
     new_tokens = 16 if args.quick else args.new_tokens
     rows, profiles = [], {}
     levels = [int(x) for x in args.pdl.split(",")] if args.pdl else [target.pdl]
-    attention = get_backend("triton_gqa")
     runs = [(level, int(ov), int(b)) for level in levels for ov in args.overlap.split(",")
             for b in args.batch_sizes.split(",")]
     for level, overlap, b in runs:
-        target.pdl, attention.pdl = level, level > 0
+        target.pdl = level
         engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=bool(overlap),
-                                                       prompt_graphs=not args.eager_prompts))
+                                                       prompt_graphs=not args.eager_prompts,
+                                                       attention_pdl=level > 0))
         engine.capture_graphs(max_kv_len=64 + new_tokens + 8, progress=False)
         ids = prompts(b, 48, target.config.vocab_size)
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)

@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 
 from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
-from specdec.attention.selector import get_backend  # noqa: E402
 from specdec.target.llama import LlamaConfig, LlamaTarget  # noqa: E402
 
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -133,14 +132,15 @@ def _summarise(prof, steps: int, top_n: int = 12) -> dict:
                     for n, (c, t) in top]}
 
 
-def verify_profile(target, device: str, batch: int, q_len: int, kv_bucket: int, reps: int) -> dict:
+def verify_profile(target, device: str, batch: int, q_len: int, kv_bucket: int, reps: int,
+                   attention_pdl: bool | None = None) -> dict:
     """A decode bucket beside the verify bucket of ``q_len`` tokens per request (the same engine,
     the same context bucket): GPU µs per replay of each, and each one's kernels (``torch.profiler``)."""
     from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
     from specdec.graphs import GraphKey
 
     engine = SpecEngine(target, SuffixAutomatonDrafter(max_draft_tokens=q_len - 1),
-                        EngineConfig(max_num_seqs=batch, max_draft_tokens=q_len - 1))
+                        EngineConfig(max_num_seqs=batch, max_draft_tokens=q_len - 1, attention_pdl=attention_pdl))
     engine.capture_graphs(max_kv_len=kv_bucket, progress=False)
     out = {"batch": batch, "q_len": q_len, "kv_bucket": kv_bucket}
     for name, key in (("decode", GraphKey(batch, batch, 1, kv_bucket)),
@@ -153,11 +153,12 @@ def verify_profile(target, device: str, batch: int, q_len: int, kv_bucket: int, 
     return out
 
 
-def kernel_profile(target, device: str, prompt_ids, new_tokens: int) -> dict:
+def kernel_profile(target, device: str, prompt_ids, new_tokens: int, attention_pdl: bool | None = None) -> dict:
     """torch.profiler over eager decode steps: kernels per step and the largest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = SpecEngine(target, None, EngineConfig(cuda_graphs=False, max_num_seqs=len(prompt_ids)))
+    engine = SpecEngine(target, None, EngineConfig(cuda_graphs=False, max_num_seqs=len(prompt_ids),
+                                                   attention_pdl=attention_pdl))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(prompt_ids, params)  # warm-up (compiles)
     steps_before = engine.timings["steps"]
@@ -190,15 +191,15 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     modes = args.modes.split(",") if on_gpu else ["plain"]
     rows, outputs, profiles = [], {}, {}
-    attention = get_backend("triton_gqa")
     for mode in modes:
         target.fused, target.fused_gemm = on_gpu, mode.startswith("gemm")
         target.pdl = int(mode.removeprefix("gemm_pdl")) if mode.startswith("gemm_pdl") else 0
-        attention.pdl = target.pdl > 0  # attention launches as the GEMMs around it do
+        attention_pdl = target.pdl > 0  # attention launches as the GEMMs around it do
         for b in batches:
             ids = prompts(b, args.prompt_len, target.vocab_size)
             # plain steps, so that launch and wait per step stay comparable between modes and runs
-            engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=False))
+            engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=False,
+                                                           attention_pdl=attention_pdl))
             params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(ids, params)  # warm-up: compiles, captures the buckets
             engine.timings.update({k: 0 for k in engine.timings})
@@ -222,12 +223,12 @@ def main() -> None:
                 profiles[f"{mode} replay b{b}"] = replay_profile(engine, args.device)
         if on_gpu and mode in ("fused", "gemm"):
             profiles[f"{mode} eager b1"] = kernel_profile(target, args.device, prompts(1, args.prompt_len, target.vocab_size),
-                                            min(16, args.new_tokens))
+                                                          min(16, args.new_tokens), attention_pdl)
             print(mode, json.dumps(profiles[f"{mode} eager b1"])[:600], flush=True)
     verify = []
     if on_gpu and args.verify_rows > 1:  # the last mode's settings are still on the target
         for b in batches:
-            verify.append(verify_profile(target, args.device, b, args.verify_rows, 512, args.reps))
+            verify.append(verify_profile(target, args.device, b, args.verify_rows, 512, args.reps, attention_pdl))
             print(json.dumps({k: v for k, v in verify[-1].items() if not k.endswith("profile")}), flush=True)
     equal = {f"{m} b{b}": sum(x == y for x, y in zip(outputs[(modes[0], b)], outputs[(m, b)]))
              for m in modes[1:] for b in batches} if on_gpu else {}

@@ -113,6 +113,10 @@ class EngineConfig:
             (``torchrun --nproc-per-node N``; gloo on CPU, NCCL on GPU), each holding the KV pages
             it owns; the target must be MLA with heads divisible by ``N``. ``num_pages`` and
             ``kv_cache_bytes`` are then per rank.
+        attention_pdl: launch the Triton attention kernels with programmatic dependent launch
+            (:mod:`specdec.pdl`); ``None`` (default): where the GPU has it (SM90+). ``True`` on a GPU
+            without it is an error when a step runs them. The engine builds its own backends with
+            it (:attr:`attention_config`), so engines in one process may differ.
     """
 
     max_draft_tokens: int = 8
@@ -132,6 +136,7 @@ class EngineConfig:
     draft_length: str = "fixed"
     cost_profile: str | None = None
     helix_cp: int = 1
+    attention_pdl: bool | None = None
 
     def __post_init__(self) -> None:
         if self.draft_length not in DRAFT_LENGTH_RULES:
@@ -151,6 +156,9 @@ class EngineConfig:
                               f"got {self.kv_cache_bytes!r}")
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise ConfigError(f"attention_backend must be a backend name or None, got {self.attention_backend!r}")
+        if self.attention_pdl is not None and not isinstance(self.attention_pdl, bool):
+            raise ConfigError(f"attention_pdl must be True, False or None (where the GPU has it), "
+                              f"got {self.attention_pdl!r}")
         if not isinstance(self.apply_chat_template, bool):
             raise ConfigError(f"apply_chat_template must be True or False, got {self.apply_chat_template!r}")
         if self.share_draft_kv is not None and not isinstance(self.share_draft_kv, bool):
@@ -177,6 +185,32 @@ class EngineConfig:
     def kv_dtype(self) -> torch.dtype | None:
         """Storage dtype of the target's KV cache; ``None`` means the target's compute dtype."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def attention_config(self) -> AttentionConfig:
+        """What the engine's attention backends are built with."""
+        return AttentionConfig(pdl=self.attention_pdl)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Options every attention backend of one engine is built with
+    (:meth:`specdec.attention.backends.base.AttentionBackend.from_config`); a backend reads the
+    ones that apply to it.
+
+    Attributes:
+        pdl: launch with programmatic dependent launch (:mod:`specdec.pdl`); ``None``: where the
+            GPU has it (SM90+).
+
+    Raises:
+        ConfigError: a field of the wrong type (the message names it).
+    """
+
+    pdl: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pdl is not None and not isinstance(self.pdl, bool):
+            raise ConfigError(f"AttentionConfig.pdl must be True, False or None, got {self.pdl!r}")
 
 
 def _is_int(x) -> bool:

@@ -147,9 +147,12 @@ class SpecEngine:
         if cfg.cuda_graphs:
             policy = GraphPolicy(cfg.max_num_seqs, cfg.max_draft_tokens, self.target.max_context, cfg.batch_invariant,
                                  cfg.prompt_graphs)
+        from specdec.attention.selector import available_backends
+
         # a partial, not a bound method: the runner must not keep the engine alive (a reference cycle)
         return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, self._shape_of(),
-                           self.drafter.target_layer_ids, cfg.attention_backend, scratch, shard=self.helix)
+                           self.drafter.target_layer_ids, cfg.attention_backend, scratch, shard=self.helix,
+                           backends=available_backends(cfg.attention_config))
 
     def _shape_of(self):
         """``(phase, max_q_len, mixed) -> AttnShape`` of this target, cache and Helix degree."""
@@ -717,12 +720,12 @@ class SpecEngine:
         name = self.config.attention_backend
         if name is None:
             return
-        from specdec.attention.selector import select
+        from specdec.attention.selector import available_backends, select
 
         get_backend(name)
-        shape_of = self._shape_of()
+        backends, shape_of = available_backends(self.config.attention_config), self._shape_of()
         for phase, q in (("context", 1), ("generation", 1), ("generation", 1 + self.config.max_draft_tokens)):
-            select(shape_of(phase, q), requested=name)
+            select(shape_of(phase, q), requested=name, backends=backends)
 
 
 def _shape_of(target, tokens_per_block: int, kv_dtype, helix_cp: int, phase: str, max_q: int, mixed: bool = False):

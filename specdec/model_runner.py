@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.attention.metadata import AttentionMetadata, PhasePlan, plan_step
-from specdec.attention.selector import select
+from specdec.attention.selector import available_backends, select
 from specdec.capture import capture_graph
 from specdec.graphs import GraphKey, GraphPolicy, graph_key, pad_step_into, prompt_graph_key, split_chunk
 from specdec.sampling import RowSampling, sample_rows
@@ -111,17 +111,21 @@ class ModelRunner:
         shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard` (page tables
             are rank-local, slots ``-1`` where another rank owns the position); steps then run
             eagerly (attention exchanges partials between ranks). ``None``: no Helix.
+        backends: the attention backends this runner selects from, its own instances
+            (``available_backends(engine_config.attention_config)``); ``None``: every registered
+            backend with default options.
     """
 
     def __init__(self, target, pool, policy: GraphPolicy | None, tokens_per_block: int, shape_of,
                  hidden_layer_ids=(), requested_backend: str | None = None, scratch_slot: int | None = None,
-                 shard=None):
+                 shard=None, backends=None):
         self.target, self.pool, self.policy, self.tpb = target, pool, policy, tokens_per_block
         self.shape_of = shape_of
         self.hidden_layer_ids = tuple(hidden_layer_ids)
         self.requested = requested_backend
         self.scratch_slot = scratch_slot
         self.shard = shard
+        self.backends = tuple(backends) if backends is not None else tuple(available_backends())
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool = None
         # set by an engine that launches a step before finishing the one before it (overlap_steps):
@@ -282,7 +286,7 @@ class ModelRunner:
 
     def _graph_backend(self, key: GraphKey):
         """The attention backend a bucket's graph would launch, and why it cannot ("" if it can)."""
-        backend = select(self.shape_of(key.phase, key.max_q_len, False), self.requested)
+        backend = select(self.shape_of(key.phase, key.max_q_len, False), self.requested, self.backends)
         return backend, "" if getattr(backend, "capturable", False) else f"backend {backend.name} cannot be captured"
 
     # -- eager -----------------------------------------------------------------
@@ -290,7 +294,7 @@ class ModelRunner:
         dev = self.target.device
         slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
         attn = plan_step(step.context, step.generation, slot_mapping, self.shape_of, self.tpb, self.requested,
-                         self.shard)
+                         self.shard, self.backends)
         if ids_from is not None:
             ids = ids_from[: len(step.input_ids)].to(device=dev, dtype=torch.long)
         else:

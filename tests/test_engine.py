@@ -159,12 +159,29 @@ def test_forced_backend_that_cannot_run_is_refused_at_build(tiny):
         def supports(self, shape):
             return Verdict(shape.max_q_len == 1, "only single-token decode")
 
-    register_backend(OnlyDecode())
+    register_backend(OnlyDecode)
     try:
         with pytest.raises(UnsupportedShapeError, match="only_decode_test.*only single-token decode"):
             SpecEngine(tiny, attention_backend="only_decode_test")
     finally:
         del _BACKENDS["only_decode_test"]
+
+
+def test_engines_build_their_own_attention_backends(tiny):
+    """Each engine builds its attention backends from its own config: two engines in one process with
+    different ``attention_pdl`` keep their own choice, share no backend, and change nothing global."""
+    pytest.importorskip("triton", reason="triton_gqa (the backend that reads attention_pdl) needs triton")
+    from specdec.attention.selector import get_backend
+
+    off, auto = SpecEngine(tiny, attention_pdl=False), SpecEngine(tiny)
+    gqa = [next(b for b in e.runner.backends if b.name == "triton_gqa") for e in (off, auto)]
+    assert gqa[0].pdl is False and gqa[1].pdl is None
+    assert not {id(b) for b in off.runner.backends} & {id(b) for b in auto.runner.backends}
+    assert get_backend("triton_gqa").pdl is None  # what the registry builds by default is unchanged
+    outs = [e.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].token_ids for e in (off, auto)]
+    assert outs[0] == outs[1]  # on a CPU both run torch_ref
+    with pytest.raises(ConfigError, match="attention_pdl must be True, False or None"):
+        SpecEngine(tiny, attention_pdl=1)
 
 
 def test_eos_and_stats(tiny):

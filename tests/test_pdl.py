@@ -169,18 +169,14 @@ class TestOnGPU:
 
         from specdec import EngineConfig, SamplingParams, SpecEngine
 
-        from specdec.attention.selector import get_backend
-
         target = random_target("cuda", torch.bfloat16, layers=4)
         ids = prompts(3, 40, target.config.vocab_size)
-        attention, runs = get_backend("triton_gqa"), []
-        try:
-            for level in (PDL_OFF, PDL_PREFETCH):
-                target.pdl, attention.pdl = level, level > 0
-                engine = SpecEngine(target, None, EngineConfig(max_num_seqs=4))
-                outs = engine.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))
-                assert engine.graph_stats["graph_steps"] > 0
-                runs.append([o.token_ids for o in outs])
-        finally:
-            attention.pdl = None
+        runs = []
+        for level in (PDL_OFF, PDL_PREFETCH):
+            target.pdl = level
+            engine = SpecEngine(target, None, EngineConfig(max_num_seqs=4, attention_pdl=level > 0))
+            assert next(b for b in engine.runner.backends if b.name == "triton_gqa").pdl is (level > 0)
+            outs = engine.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))
+            assert engine.graph_stats["graph_steps"] > 0
+            runs.append([o.token_ids for o in outs])
         assert runs[0] == runs[1]

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from specdec.attention import selector
 from specdec.attention.backends.torch_ref import TorchRefBackend
 from specdec.attention.metadata import plan_step
-from specdec.attention.selector import available_backends, get_backend, select
+from specdec.attention.selector import available_backends, get_backend, register_backend, select
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
+from specdec.config import AttentionConfig
 from specdec.errors import ConfigError, UnsupportedShapeError
 
 # --------------------------------------------------------------------------- fakes
@@ -217,7 +218,7 @@ def test_auto_with_the_references_always_finds_one(shape):
     if servable(shape):
         chosen = select(shape)  # the global registry
         assert chosen.supports(shape).ok
-        assert chosen is (HELIX_REF if shape.helix_cp > 1 else REF) or chosen.cost(shape) < 100
+        assert chosen.name == (HELIX_REF if shape.helix_cp > 1 else REF).name or chosen.cost(shape) < 100
     else:  # GQA under Helix, or heads that do not split across the ranks: refused with both reasons
         with pytest.raises(UnsupportedShapeError) as err:
             select(shape)
@@ -256,10 +257,10 @@ def test_helix_shapes_never_go_to_a_backend_that_refuses_them(shape, pool):
     assert not REF.supports(shape).ok and "helix_cp must be 1" in REF.supports(shape).reason
     if shape.num_heads % shape.helix_cp == 0:
         chosen = select(shape)
-        assert chosen.supports(shape).ok and chosen is not REF
-        kernels = [b for b in available_backends() if b is not HELIX_REF and b.supports(shape).ok]
-        assert chosen is (min(kernels, key=lambda b: b.cost(shape)) if kernels else HELIX_REF)
-        assert chosen is HELIX_REF or chosen.cost(shape) < HELIX_REF.cost(shape)
+        assert chosen.supports(shape).ok and chosen.name != REF.name
+        kernels = [b for b in available_backends() if b.name != HELIX_REF.name and b.supports(shape).ok]
+        assert chosen.name == (min(kernels, key=lambda b: b.cost(shape)) if kernels else HELIX_REF).name
+        assert chosen.name == HELIX_REF.name or chosen.cost(shape) < HELIX_REF.cost(shape)
     else:
         assert "divisible by helix_cp" in HELIX_REF.supports(shape).reason
         with pytest.raises(UnsupportedShapeError, match="divisible by helix_cp"):
@@ -307,6 +308,40 @@ def test_cost_ties_break_by_name():
     assert select(shape, backends=[TieB(), TieA(), REF]).name == "fake_tie_a"
 
 
+def test_every_call_builds_its_own_backends():
+    """The registry holds classes: each set of backends is new, so an engine's backends are its own."""
+    first, second = available_backends(), available_backends()
+    assert [b.name for b in first] == [b.name for b in second] and "torch_ref" in [b.name for b in first]
+    assert not {id(b) for b in first} & {id(b) for b in second}
+    assert get_backend("torch_ref") is not get_backend("torch_ref")
+    shape = AttnShape("generation", "gqa", 8, 2, 64, 64, 16, 1)
+    assert select(shape, backends=first) in first and select(shape).name == select(shape, backends=first).name
+
+
+def test_register_backend_takes_a_class():
+    names = set(selector._BACKENDS)
+    with pytest.raises(TypeError, match="AttentionBackend subclass"):
+        register_backend(NoMidHeads())  # an instance would be shared by every engine
+    with pytest.raises(TypeError, match="AttentionBackend subclass"):
+        register_backend(dict)
+    assert set(selector._BACKENDS) == names
+
+
+def test_backends_are_built_with_the_attention_config():
+    """``AttentionConfig`` reaches the backends it applies to; the others ignore it."""
+    names = {b.name for b in available_backends()}
+    if "triton_gqa" not in names:
+        pytest.skip("triton is not installed: no backend reads AttentionConfig.pdl")
+    for pdl in (None, True, False):
+        built = {b.name: b for b in available_backends(AttentionConfig(pdl=pdl))}
+        assert built["triton_gqa"].pdl is pdl and get_backend("triton_gqa", AttentionConfig(pdl=pdl)).pdl is pdl
+        assert set(built) == names
+    with pytest.raises(AttributeError):
+        built["triton_gqa"].pdl = True  # fixed at construction
+    with pytest.raises(ConfigError, match="AttentionConfig.pdl must be"):
+        AttentionConfig(pdl=1)
+
+
 # --------------------------------------------------------------------------- named regressions
 
 
@@ -333,7 +368,7 @@ def test_h96_generation_avoids_the_backend_that_rejects_mid_heads(mixed, max_q_l
 
 def test_h96_mixed_step_chooses_per_phase(monkeypatch):
     """The generation part of a mixed batch is a generation batch: each phase gets its own backend."""
-    for fake in (NoMidHeads(), DecodeOnlyCheap()):
+    for fake in (NoMidHeads, DecodeOnlyCheap):
         monkeypatch.setitem(selector._BACKENDS, fake.name, fake)  # restored after the test
 
     def shape_of(phase, q, mixed):
@@ -364,7 +399,7 @@ def test_h48_helix_on_64_token_pages_avoids_the_page32_only_backend(max_q_len, m
     # Without the correctness-first kernel the Helix reference runs it, never the page-32 fallback,
     # and never torch_ref (it would attend this rank's pages only).
     assert select(shape, backends=[fallback, REF, HELIX_REF]) is HELIX_REF
-    assert select(shape) is HELIX_REF
+    assert select(shape).name == "helix_ref"
     with pytest.raises(UnsupportedShapeError, match=r"fake_page32_only.*tokens_per_block=64"):
         select(shape, requested="fake_page32_only", backends=pool)
     with pytest.raises(UnsupportedShapeError, match=r"fake_cuda_mla.*Helix"):
@@ -386,7 +421,7 @@ def test_h96_helix_verify_group_avoids_the_backend_that_rejects_mid_heads(max_q_
     shape = mla("generation", 96, max_q_len, mixed=mixed, helix_cp=cp)
     mid = NoMidHeads()
     assert select(shape, backends=[mid, REF, HELIX_REF]) is HELIX_REF
-    assert select(shape) is HELIX_REF
+    assert select(shape).name == "helix_ref"
     with pytest.raises(UnsupportedShapeError, match=r"fake_no_mid_heads.*num_heads must not be in \(64, 128\)"):
         select(shape, requested="fake_no_mid_heads", backends=[mid, HELIX_REF])
     # Control: at 128 heads the fast kernel is legal and still chosen.

@@ -112,8 +112,9 @@ def make_step(context, generation, *, h, hkv, d, dv=None, tpb, dtype, device=DEV
     )
 
 
-def attend(step, backend: str, dtype=None):
-    """Run the step through ``plan_step`` + ``attend`` with ``backend`` forced; returns (out, metadata)."""
+def attend(step, backend: str, dtype=None, backends=None):
+    """Run the step through ``plan_step`` + ``attend`` with ``backend`` forced (from ``backends``, default
+    the registered ones); returns (out, metadata)."""
     dtype = dtype or step["q"].dtype
     dev = step["q"].device
 
@@ -122,16 +123,18 @@ def attend(step, backend: str, dtype=None):
         return AttnShape(phase, "gqa", step["h"], step["hkv"], step["d"], step["dv"], step["tpb"], max_q_len,
                          name, name, dev.type, sm_of(dev.type), 1, mixed)
 
-    attn = plan_step(step["context"], step["generation"], step["slot_mapping"], shape_of, step["tpb"], backend)
+    attn = plan_step(step["context"], step["generation"], step["slot_mapping"], shape_of, step["tpb"], backend,
+                     backends=backends)
     t = {k: step[k].to(dtype).clone() for k in ("q", "k", "v", "k_cache", "v_cache")}
     out = attn.attend(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], step["d"] ** -0.5, step["dv"])
     return out, attn
 
 
-def check(step, atol=None):
-    """``triton_gqa`` equals the fp32 reference on the same (possibly 16-bit) inputs."""
+def check(step, atol=None, backend=None):
+    """``triton_gqa`` (``backend``, default the registered one) equals the fp32 reference on the same
+    (possibly 16-bit) inputs."""
     dtype = step["q"].dtype
-    out, attn = attend(step, "triton_gqa")
+    out, attn = attend(step, "triton_gqa", backends=None if backend is None else [backend])
     ref, _ = attend(step, "torch_ref", torch.float32)
     assert set(attn.backends.values()) == {"triton_gqa"}
     assert out.dtype == dtype and out.shape == ref.shape
@@ -141,23 +144,20 @@ def check(step, atol=None):
 
 
 @pytest.fixture
-def split_backend(monkeypatch):
-    """A registered ``triton_gqa`` that splits contexts of 16+ tokens in balanced splits (so small cases
-    take the balanced split path, not the fixed 256-key offsets of small eager phases)."""
-    backend = TritonGQABackend(max_splits=4, min_split_tokens=16, fixed_split_max_tokens=0)
-    monkeypatch.setitem(selector._BACKENDS, backend.name, backend)
-    return backend
+def split_backend():
+    """A ``triton_gqa`` that splits contexts of 16+ tokens in balanced splits (so small cases take the
+    balanced split path, not the fixed 256-key offsets of small eager phases)."""
+    return TritonGQABackend(max_splits=4, min_split_tokens=16, fixed_split_max_tokens=0)
 
 
 @needs_kernels
 @pytest.mark.parametrize(("key_tile", "num_stages"), [(16, 1), (32, 3), (256, 2)])
-def test_tuned_key_tiles_and_stages_give_the_reference(monkeypatch, key_tile, num_stages):
+def test_tuned_key_tiles_and_stages_give_the_reference(key_tile, num_stages):
     """A backend built with another key tile / pipeline depth (what bench/gqa_sweep.py times) still
     computes the reference, for decode and verify over several pages."""
     backend = TritonGQABackend(max_splits=4, min_split_tokens=16, key_tile=key_tile, num_stages=num_stages,
                                fixed_split_max_tokens=0)
-    monkeypatch.setitem(selector._BACKENDS, backend.name, backend)
-    check(make_step([], [(3, 70), (1, 33)], h=4, hkv=2, d=32, tpb=8, dtype=torch.bfloat16, seed=key_tile))
+    check(make_step([], [(3, 70), (1, 33)], h=4, hkv=2, d=32, tpb=8, dtype=torch.bfloat16, seed=key_tile), backend=backend)
 
 
 @pytest.mark.parametrize(("kw", "match"), [(dict(key_tile=24), "key_tile must be a power of two >= 16"),
@@ -281,7 +281,7 @@ def test_context_with_several_row_blocks():
 def test_split_kv_merge(split_backend, q_len):
     """Split-KV with an exact LSE merge; the short request leaves splits empty (their LSE is -inf)."""
     step = make_step([], [(q_len, 150), (q_len, q_len + 2)], h=4, hkv=1, d=32, tpb=8, dtype=torch.float32, seed=4)
-    attn = check(step)
+    attn = check(step, backend=split_backend)
     plan = attn.phases[0].plan
     assert plan.num_splits is None and plan.split_chunk == 0  # run() chose the balanced splits:
     assert split_backend._num_splits(plan, 1) == 4

@@ -6,6 +6,7 @@ Each phase has its own backend (chosen by the selector) and its own plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.fp8 import E4M3, prepare_kv, prepare_q
-from specdec.attention.selector import select
+from specdec.attention.selector import available_backends, select
 from specdec.attention.shapes import AttnShape
 
 
@@ -105,6 +106,7 @@ def plan_step(
     tokens_per_block: int,
     requested: str | None = None,
     shard=None,
+    backends: Sequence[AttentionBackend] | None = None,
 ) -> AttentionMetadata:
     """Plan a step's attention.
 
@@ -118,17 +120,22 @@ def plan_step(
         shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard`: page tables
             are rank-local and ``slot_mapping`` is negative for positions another rank owns
             (this rank writes only its own). ``None``: unsharded.
+        backends: the candidates of every phase (an engine's own set); ``None``: a new set of
+            every registered backend with default options (:func:`~specdec.attention.selector.available_backends`).
 
     Raises:
+        ConfigError: ``requested`` names no candidate.
         UnsupportedShapeError: the requested backend cannot run a phase.
     """
+    if backends is None:
+        backends = available_backends()
     phases, start, mixed = [], 0, bool(context) and bool(generation)
     for phase, seqs in (("context", context), ("generation", generation)):
         if not seqs:
             continue
         q_lens = tuple(s[0] for s in seqs)
         shape = shape_of(phase, max(q_lens), mixed and phase == "generation")
-        backend = select(shape, requested)
+        backend = select(shape, requested, backends)
         batch = PhaseBatch(q_lens, tuple(s[1] for s in seqs), tuple(s[2] for s in seqs), tokens_per_block,
                            slot_mapping.device, shard)
         stop = start + batch.num_tokens

@@ -5,6 +5,10 @@ if it supports the shape and refused with the reason otherwise; it is never
 replaced. Automatic selection takes the cheapest backend whose ``supports``
 says yes, so a performance preference can never pick a backend that cannot
 run the shape.
+
+The registry holds backend classes, not instances: :func:`available_backends`
+builds a fresh set from an :class:`~specdec.config.AttentionConfig`, and each
+engine keeps its own set, so no backend option is shared between engines.
 """
 
 from __future__ import annotations
@@ -15,31 +19,50 @@ from specdec.attention.backends.base import AttentionBackend
 from specdec.attention.backends.helix_ref import HelixRefBackend
 from specdec.attention.backends.torch_ref import TorchRefBackend
 from specdec.attention.shapes import AttnShape
+from specdec.config import AttentionConfig
 from specdec.errors import ConfigError, UnsupportedShapeError
 
-_BACKENDS: dict[str, AttentionBackend] = {}
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
 
 
-def register_backend(backend: AttentionBackend) -> AttentionBackend:
-    """Make ``backend`` available to :func:`select` under ``backend.name``."""
+def register_backend(backend: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Make the backend class ``backend`` available to :func:`select` under ``backend.name``.
+
+    Returns:
+        ``backend`` (usable as a class decorator).
+
+    Raises:
+        TypeError: ``backend`` is not an :class:`AttentionBackend` subclass (an instance would be
+            shared by every engine; register its class).
+    """
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        raise TypeError(f"register_backend takes an AttentionBackend subclass (each engine builds its own "
+                        f"instance with from_config), got {backend!r}")
     _BACKENDS[backend.name] = backend
     return backend
 
 
-def available_backends() -> list[AttentionBackend]:
-    """Every registered backend (each decides its own support, device included)."""
-    return list(_BACKENDS.values())
+def available_backends(config: AttentionConfig | None = None) -> list[AttentionBackend]:
+    """A new instance of every registered backend, built with ``config`` (each decides its own
+    support, device included).
+
+    Args:
+        config: options of the backends (default: ``AttentionConfig()``).
+    """
+    config = config or AttentionConfig()
+    return [cls.from_config(config) for cls in _BACKENDS.values()]
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """The registered backend called ``name``.
+def get_backend(name: str, config: AttentionConfig | None = None) -> AttentionBackend:
+    """A new instance of the registered backend called ``name``, built with ``config``
+    (default: ``AttentionConfig()``).
 
     Raises:
         ConfigError: no backend has that name (the message lists the names).
     """
     if name not in _BACKENDS:
         raise ConfigError(f"attention_backend must be one of {sorted(_BACKENDS)} or None, got {name!r}")
-    return _BACKENDS[name]
+    return _BACKENDS[name].from_config(config or AttentionConfig())
 
 
 def select(
@@ -52,13 +75,15 @@ def select(
     Args:
         shape: one phase of a step.
         requested: a backend name the user forced, or ``None`` for automatic.
-        backends: candidates (default: every registered backend).
+        backends: candidates (default: :func:`available_backends` with default options; an engine
+            passes its own).
 
     Returns:
         ``requested`` if it supports ``shape``; otherwise, when nothing was
         requested, the supporting backend of lowest ``cost``.
 
     Raises:
+        ConfigError: ``requested`` names no candidate (the message lists the names).
         UnsupportedShapeError: the requested backend does not support ``shape``,
             or (automatic) no candidate does; the message names backend, shape and reason.
     """
@@ -78,8 +103,8 @@ def select(
     return min(ok, key=lambda b: (b.cost(shape), b.name))
 
 
-register_backend(TorchRefBackend())
-register_backend(HelixRefBackend())
+register_backend(TorchRefBackend)
+register_backend(HelixRefBackend)
 
 try:  # Triton kernels are optional (pip extra "gpu"); without triton only the reference is registered.
     import triton  # noqa: F401
@@ -88,7 +113,7 @@ except ImportError:
 if triton is not None:
     from specdec.attention.backends.triton_gqa import TritonGQABackend
 
-    register_backend(TritonGQABackend())
+    register_backend(TritonGQABackend)
     from specdec.attention.backends.triton_mla import TritonMLABackend
 
-    register_backend(TritonMLABackend())
+    register_backend(TritonMLABackend)

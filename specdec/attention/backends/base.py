@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from specdec.attention.shapes import AttnShape, Verdict
+from specdec.config import AttentionConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +44,19 @@ class PhaseBatch:
 
 
 class AttentionBackend:
-    """Base class of attention backends over the paged pool."""
+    """Base class of attention backends over the paged pool.
+
+    The selector's registry holds backend classes; each engine builds its own instances with
+    :meth:`from_config`, so one engine's options never reach another's backends.
+    """
 
     name: ClassVar[str] = ""
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig) -> AttentionBackend:
+        """An instance built with the options of ``config`` that apply to this backend (default:
+        none, ``cls()``)."""
+        return cls()
 
     def supports(self, shape: AttnShape) -> Verdict:  # pragma: no cover - abstract
         """Whether this backend computes ``shape`` correctly (never a speed judgement)."""

@@ -41,6 +41,7 @@ import triton.language as tl
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
+from specdec.config import AttentionConfig
 from specdec.errors import ConfigError
 from specdec.graphs import split_chunk
 from specdec.pdl import pdl_enter, pdl_level
@@ -280,7 +281,8 @@ class TritonGQABackend(AttentionBackend):
             choice (``bench/gqa_sweep.py``).
         num_stages: software-pipeline depth of the attention kernel.
         pdl: launch with programmatic dependent launch (:mod:`specdec.pdl`); ``None``: where the
-            GPU has it (SM90+). ``True`` on a device without it is an error at ``run``.
+            GPU has it (SM90+). ``True`` on a device without it is an error at ``run``. Fixed at
+            construction (an engine passes ``EngineConfig.attention_pdl``, :meth:`from_config`).
     """
 
     name = "triton_gqa"
@@ -303,10 +305,21 @@ class TritonGQABackend(AttentionBackend):
             raise ConfigError(f"TritonGQABackend.fixed_split_max_tokens must be >= 0, got {fixed_split_max_tokens}")
         self.max_splits, self.min_split_tokens = max_splits, min_split_tokens
         self.fixed_split_max_tokens = fixed_split_max_tokens
-        if pdl not in (None, True, False):
+        if pdl is not None and not isinstance(pdl, bool):
             raise ConfigError(f"TritonGQABackend.pdl must be True, False or None, got {pdl!r}")
-        self.key_tile, self.num_stages, self.pdl = key_tile, num_stages, pdl
+        self.key_tile, self.num_stages, self._pdl = key_tile, num_stages, pdl
         self._num_sms: dict[int, int] = {}
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig) -> TritonGQABackend:
+        """The default launch settings, with ``config.pdl``."""
+        return cls(pdl=config.pdl)
+
+    @property
+    def pdl(self) -> bool | None:
+        """The ``pdl`` it was built with (read-only: an engine's backends are built with
+        ``EngineConfig.attention_pdl``)."""
+        return self._pdl
 
     # -- contract --------------------------------------------------------------
     def supports(self, shape: AttnShape) -> Verdict:
@@ -429,7 +442,7 @@ class TritonGQABackend(AttentionBackend):
         out = q.new_empty(num_tokens, num_heads, v_head_dim)  # [num_tokens, H, Dv]
         if num_tokens == 0:
             return out
-        pdl = self._pdl(q.device)
+        pdl = self._launch_pdl(q.device)
         group = num_heads // num_kv_heads
         block_d, block_dv = _pow2(head_dim), _pow2(v_head_dim)
         # tiles from max_q_len rounded up to a power of two, as prompt graph buckets round it: an eager
@@ -466,11 +479,11 @@ class TritonGQABackend(AttentionBackend):
         return out
 
     # -- helpers ---------------------------------------------------------------
-    def _pdl(self, device: torch.device) -> bool:
+    def _launch_pdl(self, device: torch.device) -> bool:
         available = pdl_level(device) > 0
-        if self.pdl and not available:
+        if self._pdl and not available:
             raise ConfigError(f"TritonGQABackend(pdl=True) needs a CUDA GPU with SM90 or newer, got {device}")
-        return available if self.pdl is None else self.pdl
+        return available if self._pdl is None else self._pdl
 
     def _num_splits(self, plan: TritonGQAPlan, programs_per_seq: int) -> int:
         """Split the KV range only when (request, KV head, row block) programs cannot fill the GPU."""
