@@ -22,7 +22,7 @@ import triton  # noqa: E402
 
 from specdec.target.kernels import (add_rms_norm_, fused_linear, qkv_rope_write_kv, rope_,  # noqa: E402
                                     rope_write_kv_, silu_mul, ss_parts)
-from specdec.target.llama import apply_rope, rms_norm  # noqa: E402
+from specdec.layers import rms_norm, rotate, signed_sin  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 HAS_CUDA = torch.cuda.is_available()
@@ -70,8 +70,8 @@ def test_rope_rotates_q_and_k_heads_and_leaves_v(dtype):
     cos, sin = emb.cos().to(dtype=dtype, device=DEVICE), emb.sin().to(dtype=dtype, device=DEVICE)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
-    want_q = apply_rope(q.reshape(T, H, D).float(), c.float(), s.float())
-    want_k = apply_rope(k.reshape(T, Hkv, D).float(), c.float(), s.float())
+    want_q = rotate(q.reshape(T, H, D).float(), c.float(), signed_sin(s.float()))
+    want_k = rotate(k.reshape(T, Hkv, D).float(), c.float(), signed_sin(s.float()))
     want_v = v.clone()
     rope_(qkv, H + Hkv, D, cos, sin, positions)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)

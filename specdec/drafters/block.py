@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import CheckpointError, ConfigError
+from specdec.layers import fast_rms_norm as _rms  # the drafters' norm (specdec.layers: why not the targets')
+from specdec.layers import rope_cos_sin, rotate, swiglu
 
 
 def output_slots(block_size: int, shift_label: int) -> range:
@@ -129,48 +131,10 @@ def spread_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
     return tuple(sorted({1 + round(i * step) for i in range(count)}))
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the last dimension times ``w``: one fused kernel where the dtypes agree (an
-    inference step), fp32 statistics otherwise (a weight kept in fp32 under autocast)."""
-    if x.dtype == w.dtype:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float,
-                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 rotate-half RoPE factors at integer positions: ``pos`` ``[...]`` → cos, signed sin
-    ``[..., 1, dim]`` (the sine's first half negated, so that :func:`rotate` needs no negation).
-
-    The one place they are computed, so that per-call factors (:func:`_rope`) and a
-    precomputed :class:`RopeTable` are the same numbers.
-    """
-    dev = pos.device if device is None else device
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=dev, dtype=torch.float32) / dim))
-    ang = pos.to(torch.float32)[..., None] * inv  # [..., dim/2]
-    sin = ang.sin()
-    return torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([-sin, sin], -1).unsqueeze(-2)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE factors from :func:`rope_cos_sin` to ``x`` ``[..., heads, D]`` (fp32 math, one rounding).
-
-    Rotate-half: ``x * cos + [-x2, x1] * sin``, written as ``x * cos + roll(x) * signed_sin``
-    (the same numbers, fewer kernels).
-    """
-    return (x * cos + x.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE at integer positions. ``x``: ``[..., heads, D]``; ``pos``: ``x.shape[:-2]``."""
-    return rotate(x, *rope_cos_sin(pos, x.shape[-1], theta, x.device))
-
-
 class RopeTable:
     """cos / sin of positions ``0 .. length-1``, computed once (:func:`rope_cos_sin`, fp32).
 
-    Looking positions up gives the very numbers :func:`_rope` computes per call, on the
+    Looking positions up gives the very numbers :func:`rope_cos_sin` computes per call, on the
     same device, so a drafter reading the table drafts exactly as before.
     """
 
@@ -259,8 +223,7 @@ def block_mask(ctx_valid: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def mlp(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP of a drafter layer (``gate_proj``, ``up_proj``, ``down_proj``): gate and up in one GEMM."""
-    g, u = F.linear(h, _stacked(m, "_gate_up", [m.gate_proj.weight, m.up_proj.weight])).chunk(2, -1)
-    return m.down_proj(F.silu(g) * u)
+    return swiglu(h, _stacked(m, "_gate_up", [m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight)
 
 
 class _Norm(nn.Module):

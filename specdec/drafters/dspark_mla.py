@@ -34,11 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.drafters.base import register_drafter
-from specdec.drafters.block import (_linear, _Norm, _rms, block_mask, draft_from_hidden, load_weights, mlp,
-                                    output_slots, rope_cos_sin, rotate, save_net)
+from specdec.drafters.block import (_linear, _Norm, block_mask, draft_from_hidden, load_weights, mlp, output_slots,
+                                    save_net)
 from specdec.drafters.dflash import BlockDrafter
 from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
 from specdec.kvcache.pool import LayerSpec
+from specdec.layers import fast_rms_norm as _rms
+from specdec.layers import rope_cos_sin, rotate
 from specdec.parallel.helix import HelixShard, latent_attention_lse, merge_over_ranks
 
 #: Page sizes the latent gather reads: every size ``EngineConfig.tokens_per_block`` allows.

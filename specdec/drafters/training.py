@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from specdec.drafters.block import draft_from_hidden, init_weights, label_offsets, output_slots, rope_cos_sin, slot_logits
+from specdec.drafters.block import draft_from_hidden, init_weights, label_offsets, output_slots, slot_logits
 from specdec.drafters.data import TokenData
 from specdec.errors import CheckpointError, ConfigError
+from specdec.layers import rope_cos_sin
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from specdec.attention.shapes import AttnShape
 from specdec.errors import CheckpointError, ConfigError
 from specdec.kvcache.pool import LayerSpec
+from specdec.layers import inv_freq, rms_norm, rotate, signed_sin, swiglu
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -81,8 +82,7 @@ class LlamaConfig:
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]``, with linear or Llama-3 scaling."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv = inv_freq(cfg.head_dim, cfg.rope_theta)
     rs = cfg.rope_scaling
     kind = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
     if kind == "default":
@@ -105,20 +105,6 @@ def _has_triton() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as HF Llama does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. ``x``: ``[T, heads, D]``; ``cos``/``sin``: ``[T, 1, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def fused_gemm_max_tokens(layer) -> int:
@@ -266,7 +252,7 @@ class LlamaTarget:
             return self._forward_fused(input_ids, positions, attn, pool, hidden_layer_ids)
         c = self.config
         T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [T, 1, D]
+        cos, sin = self._cos[positions].unsqueeze(1), signed_sin(self._sin[positions]).unsqueeze(1)  # [T, 1, D]
         x = self.embed[input_ids]  # [T, hidden]
         wanted, captured = set(hidden_layer_ids), {}
         for i, L in enumerate(self.layers):
@@ -276,12 +262,10 @@ class LlamaTarget:
             q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
             if L.q_norm is not None:
                 q, k = rms_norm(q, L.q_norm, c.rms_norm_eps), rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             o = attn.attend(q, k, v, pool.k[i], pool.v[i], self.scale, D, kv_scale=pool.specs[i].kv_scale)  # [T, H, D]
             x = x + F.linear(o.reshape(T, H * D), L.w_o)
-            h = rms_norm(x, L.norm_post, c.rms_norm_eps)
-            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.w_down)
+            x = x + swiglu(rms_norm(x, L.norm_post, c.rms_norm_eps), L.w_gate_up, L.w_down)
             if i in wanted:
                 captured[i] = x
         return x, captured

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from specdec.attention.shapes import AttnShape
 from specdec.errors import CheckpointError, ConfigError
 from specdec.kvcache.pool import LayerSpec
-from specdec.target.llama import apply_rope, rms_norm
+from specdec.layers import rms_norm, rope_factors, rotate, swiglu
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 #: q_a_layernorm / kv_a_layernorm use RMSNorm's default eps in DeepSeek-V3, not rms_norm_eps.
@@ -291,11 +291,6 @@ class _Layer:
     moe: _MoE | None
 
 
-def _swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w_down)
-
-
 class MLATarget:
     """A DeepSeek-V3 / Kimi-K2 causal LM with absorbed MLA on specdec's paged KV cache.
 
@@ -450,16 +445,14 @@ class MLATarget:
         """See :meth:`specdec.target.base.Target.forward`; layer ``i`` uses ``pool.k[i]``."""
         c = self.config
         freqs = positions.to(self.device).float()[:, None] * self._inv_freq  # [T, rope / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rope]
-        cos = (emb.cos() * self._rope_factor).to(self.dtype)
-        sin = (emb.sin() * self._rope_factor).to(self.dtype)
+        cos, sin = rope_factors(freqs[:, None, :], self.dtype, self._rope_factor)  # [T, 1, rope] each
         x = self.embed[input_ids]  # [T, hidden]
         wanted, captured = set(hidden_layer_ids), {}
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.norm_in, c.rms_norm_eps)
             x = x + self._attention(L, h, cos, sin, attn, pool.k[i], pool.specs[i].kv_scale)
             h = rms_norm(x, L.norm_post, c.rms_norm_eps)
-            x = x + (self._moe(L.moe, h) if L.moe is not None else _swiglu(h, L.w_gate_up, L.w_down))
+            x = x + (self._moe(L.moe, h) if L.moe is not None else swiglu(h, L.w_gate_up, L.w_down))
             if i in wanted:
                 captured[i] = x
         return x, captured
@@ -474,7 +467,7 @@ class MLATarget:
         q_nope, q_rope = q.view(T, H, nope + rope).split([nope, rope], dim=-1)  # [T, H, nope], [T, H, rope]
         c_kv, k_rope = kv.split([r, rope], dim=-1)
         c_kv = rms_norm(c_kv, L.kv_a_norm, LATENT_NORM_EPS)  # [T, r]
-        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None, :], cos, sin)  # [T, 1, rope]
+        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None, :], cos, sin)  # [T, 1, rope]
         q_lat = torch.einsum("thn,hnr->thr", q_nope, L.w_uk)  # [T, H, r]
         q = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, r + rope]
         k = torch.cat([c_kv[:, None, :], k_rope], dim=-1)  # [T, 1, r + rope]
@@ -500,10 +493,10 @@ class MLATarget:
         out = torch.zeros_like(h)
         for e in idx.unique().tolist():
             tok, slot = (idx == e).nonzero(as_tuple=True)
-            y = _swiglu(h[tok], m.w_gate_up[e], m.w_down[e]) * wts[tok, slot, None]
+            y = swiglu(h[tok], m.w_gate_up[e], m.w_down[e]) * wts[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         if m.shared_gate_up is not None:
-            out = out + _swiglu(h, m.shared_gate_up, m.shared_down)
+            out = out + swiglu(h, m.shared_gate_up, m.shared_down)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
