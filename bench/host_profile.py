@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results_io import run_header, top_functions, write_results  # noqa: E402
 from step_profile import largest_generation_graph, prompts, random_target, sync  # noqa: E402
 
-from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
+from specdec import EngineConfig, KernelConfig, SamplingParams, SpecEngine  # noqa: E402
 from specdec.graphs import pad_step_into  # noqa: E402
 
 
@@ -127,14 +127,17 @@ def main() -> None:
     ap.add_argument("--out", default="out/host_profile")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    target = random_target(args.device, dtype, layers=2 if args.quick else None)
+    layers = 2 if args.quick else None
     new_tokens = 16 if args.quick else args.new_tokens
     rows, profiles = [], {}
-    levels = [int(x) for x in args.pdl.split(",")] if args.pdl else [target.pdl]
+    # None: the device's level, for the target's GEMMs and attention alike
+    levels = [int(x) for x in args.pdl.split(",")] if args.pdl else [None]
+    targets = {level: random_target(args.device, dtype, layers, KernelConfig(pdl=level)) for level in set(levels)}
     runs = [(level, int(ov), int(b)) for level in levels for ov in args.overlap.split(",")
             for b in args.batch_sizes.split(",")]
-    for level, overlap, b in runs:
-        target.pdl = level
+    for asked, overlap, b in runs:
+        target = targets[asked]
+        level = target.kernels.pdl
         engine = SpecEngine(target, None, EngineConfig(max_num_seqs=b, overlap_steps=bool(overlap),
                                                        prompt_graphs=not args.eager_prompts,
                                                        attention_pdl=level > 0))

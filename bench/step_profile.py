@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 
-from specdec import EngineConfig, SamplingParams, SpecEngine  # noqa: E402
+from specdec import EngineConfig, KernelConfig, SamplingParams, SpecEngine  # noqa: E402
 from specdec.target.llama import LlamaConfig, LlamaTarget  # noqa: E402
 
 SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -44,8 +44,10 @@ SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermedia
                max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
 
 
-def random_target(device: str, dtype: torch.dtype, layers: int | None = None) -> LlamaTarget:
-    """A SmolLM2-135M-shaped target with random weights (std 0.02, norms at 1)."""
+def random_target(device: str, dtype: torch.dtype, layers: int | None = None,
+                  kernels: KernelConfig | None = None) -> LlamaTarget:
+    """A SmolLM2-135M-shaped target with random weights (std 0.02, norms at 1), running ``kernels``
+    (default: the device's)."""
     cfg = LlamaConfig.from_hf({**SMOLLM2, **({"num_hidden_layers": layers} if layers else {})})
     g = torch.Generator(device="cpu").manual_seed(0)
     hd, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -63,7 +65,7 @@ def random_target(device: str, dtype: torch.dtype, layers: int | None = None) ->
                   p + "mlp.down_proj.weight": rnd(hd, inter),
                   p + "input_layernorm.weight": torch.ones(hd, dtype=dtype),
                   p + "post_attention_layernorm.weight": torch.ones(hd, dtype=dtype)})
-    return LlamaTarget(cfg, w, name="smollm2-shaped-random", dtype=dtype, device=device)
+    return LlamaTarget(cfg, w, name="smollm2-shaped-random", dtype=dtype, device=device, kernels=kernels)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -132,6 +134,13 @@ def _summarise(prof, steps: int, top_n: int = 12) -> dict:
                     for n, (c, t) in top]}
 
 
+def mode_settings(mode: str, on_gpu: bool) -> tuple[KernelConfig, bool]:
+    """The target's kernels and the attention's PDL switch (``EngineConfig.attention_pdl``) of a
+    forward path of ``--modes``: attention launches as the GEMMs around it do."""
+    pdl = int(mode.removeprefix("gemm_pdl")) if mode.startswith("gemm_pdl") else 0
+    return KernelConfig(fused=on_gpu, fused_gemm=mode.startswith("gemm"), pdl=pdl), pdl > 0
+
+
 def verify_profile(target, device: str, batch: int, q_len: int, kv_bucket: int, reps: int,
                    attention_pdl: bool | None = None) -> dict:
     """A decode bucket beside the verify bucket of ``q_len`` tokens per request (the same engine,
@@ -187,14 +196,12 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.quick:
         batches, args.new_tokens, args.prompt_len, args.reps = [1, 2], 8, 24, 5
-    target = random_target(args.device, dtype, layers=2 if args.quick else None)
     on_gpu = args.device.startswith("cuda")
     modes = args.modes.split(",") if on_gpu else ["plain"]
     rows, outputs, profiles = [], {}, {}
     for mode in modes:
-        target.fused, target.fused_gemm = on_gpu, mode.startswith("gemm")
-        target.pdl = int(mode.removeprefix("gemm_pdl")) if mode.startswith("gemm_pdl") else 0
-        attention_pdl = target.pdl > 0  # attention launches as the GEMMs around it do
+        kernels, attention_pdl = mode_settings(mode, on_gpu)
+        target = random_target(args.device, dtype, layers=2 if args.quick else None, kernels=kernels)
         for b in batches:
             ids = prompts(b, args.prompt_len, target.vocab_size)
             # plain steps, so that launch and wait per step stay comparable between modes and runs
@@ -226,7 +233,7 @@ def main() -> None:
                                                           min(16, args.new_tokens), attention_pdl)
             print(mode, json.dumps(profiles[f"{mode} eager b1"])[:600], flush=True)
     verify = []
-    if on_gpu and args.verify_rows > 1:  # the last mode's settings are still on the target
+    if on_gpu and args.verify_rows > 1:  # the last mode's target and attention settings
         for b in batches:
             verify.append(verify_profile(target, args.device, b, args.verify_rows, 512, args.reps, attention_pdl))
             print(json.dumps({k: v for k, v in verify[-1].items() if not k.endswith("profile")}), flush=True)

@@ -11,7 +11,8 @@ Quick start::
 """
 
 # Imported on first use (PEP 562), so ``import specdec.errors`` and ``specdec --help`` do not load torch.
-_LAZY = {"EngineConfig": "specdec.config", "SamplingParams": "specdec.config", "SpecEngine": "specdec.engine",
+_LAZY = {"EngineConfig": "specdec.config", "KernelConfig": "specdec.config", "SamplingParams": "specdec.config",
+         "SpecEngine": "specdec.engine",
          "GenerationOutput": "specdec.sequence", "RequestStats": "specdec.sequence", "StepOutput": "specdec.sequence"}
 
 
@@ -29,5 +30,6 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["EngineConfig", "GenerationOutput", "RequestStats", "SamplingParams", "SpecEngine", "StepOutput"]
+__all__ = ["EngineConfig", "GenerationOutput", "KernelConfig", "RequestStats", "SamplingParams", "SpecEngine",
+           "StepOutput"]
 __version__ = "0.1.0"

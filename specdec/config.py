@@ -213,6 +213,50 @@ class AttentionConfig:
             raise ConfigError(f"AttentionConfig.pdl must be True, False or None, got {self.pdl!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Which kernels a Llama-family target's forward runs, fixed when the target is built
+    (``LlamaTarget(..., kernels=)``, ``load_target(..., kernels=)``). ``None`` fields are chosen
+    by the target from its device and weights; ``target.kernels`` shows the choice.
+
+    Attributes:
+        fused: fused Triton elementwise kernels (norm, RoPE + cache write, SiLU·up, residual adds
+            folded into the next norm). ``None``: on CUDA when Triton is installed. ``True`` on a
+            CPU runs them in Triton's interpreter (``TRITON_INTERPRET=1``, as tests do).
+        fused_gemm: with ``fused``, steps of at most ``fused_gemm_max_tokens`` tokens also fold
+            each norm, RoPE, cache write, activation and residual add into the GEMM beside it
+            (five kernels a layer plus attention); they need a cache of the compute dtype and no
+            QK norm. Other steps run cuBLAS GEMMs beside the fused elementwise kernels.
+        fused_gemm_max_tokens: most tokens a step may have for the fused GEMMs. ``None``: 512, or
+            64 for models whose GEMM weights exceed 8 MB
+            (:func:`specdec.target.llama.fused_gemm_max_tokens`).
+        pdl: programmatic dependent launch level of the fused GEMMs (:mod:`specdec.pdl`): 0 off,
+            1 launch early, 2 launch early and prefetch the weights into L2. ``None``: the
+            device's level (2 on SM90+, else 0) with the fused GEMMs, else 0. Above 0 it needs
+            ``fused`` and ``fused_gemm`` and an SM90+ GPU (checked when the target is built).
+
+    Raises:
+        ConfigError: a field of the wrong type or out of range (the message names it).
+    """
+
+    fused: bool | None = None
+    fused_gemm: bool = True
+    fused_gemm_max_tokens: int | None = None
+    pdl: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise ConfigError(f"KernelConfig.fused must be True, False or None (CUDA with Triton), got {self.fused!r}")
+        if not isinstance(self.fused_gemm, bool):
+            raise ConfigError(f"KernelConfig.fused_gemm must be True or False, got {self.fused_gemm!r}")
+        if self.fused_gemm_max_tokens is not None and (not _is_int(self.fused_gemm_max_tokens)
+                                                       or self.fused_gemm_max_tokens < 1):
+            raise ConfigError(f"KernelConfig.fused_gemm_max_tokens must be an integer >= 1 or None (from the "
+                              f"weight size), got {self.fused_gemm_max_tokens!r}")
+        if self.pdl is not None and (not _is_int(self.pdl) or self.pdl not in (0, 1, 2)):
+            raise ConfigError(f"KernelConfig.pdl must be 0, 1, 2 or None (the device's level), got {self.pdl!r}")
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -167,15 +167,15 @@ class TestOnGPU:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
         from step_profile import prompts, random_target
 
-        from specdec import EngineConfig, SamplingParams, SpecEngine
+        from specdec import EngineConfig, KernelConfig, SamplingParams, SpecEngine
 
-        target = random_target("cuda", torch.bfloat16, layers=4)
-        ids = prompts(3, 40, target.config.vocab_size)
         runs = []
         for level in (PDL_OFF, PDL_PREFETCH):
-            target.pdl = level
+            target = random_target("cuda", torch.bfloat16, layers=4, kernels=KernelConfig(pdl=level))
+            assert target.kernels.pdl == level
             engine = SpecEngine(target, None, EngineConfig(max_num_seqs=4, attention_pdl=level > 0))
             assert next(b for b in engine.runner.backends if b.name == "triton_gqa").pdl is (level > 0)
+            ids = prompts(3, 40, target.config.vocab_size)
             outs = engine.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))
             assert engine.graph_stats["graph_steps"] > 0
             runs.append([o.token_ids for o in outs])

@@ -246,12 +246,14 @@ def test_qkv_rope_write_kv_equals_norm_gemm_rope_and_cache_writes(dtype, D, bias
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 def test_fused_llama_forward_matches_the_plain_one(tmp_path, kv_dtype):
-    """The whole decoder: fused kernels (GPU path; with and without the fused GEMMs) vs plain PyTorch,
-    fp32, over a context + verify step, with a cache of the compute dtype (fused cache write) and an
-    FP8 cache (attend writes; the fused GEMMs step aside)."""
+    """The whole decoder: each op set (``KernelConfig``: fused kernels with and without the fused GEMMs,
+    and the fused GEMMs up to 4 tokens, so the 5-token context step takes the other fused ops) vs plain
+    PyTorch, fp32, over a context + verify step, with a cache of the compute dtype (fused cache write)
+    and an FP8 cache (attend writes; the fused GEMMs step aside)."""
     import transformers
 
     from specdec.attention.metadata import plan_step
+    from specdec.config import KernelConfig
     from specdec.kvcache import KVCacheManager, KVPool
     from specdec.target import load_target
 
@@ -259,10 +261,11 @@ def test_fused_llama_forward_matches_the_plain_one(tmp_path, kv_dtype):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    target = load_target(tmp_path, device=DEVICE)
     results = []
-    for fused, gemm in ((False, False), (True, False), (True, True)):
-        target.fused, target.fused_gemm = fused, gemm
+    for kernels in (KernelConfig(fused=False), KernelConfig(fused=True, fused_gemm=False), KernelConfig(fused=True),
+                    KernelConfig(fused=True, fused_gemm_max_tokens=4)):
+        target = load_target(tmp_path, device=DEVICE, kernels=kernels)
+        assert target.kernels.fused == kernels.fused and target.kernels.pdl == 0
         pool, mgr = KVPool(target.layer_specs(kv_dtype), 8, 4, device=DEVICE), KVCacheManager(8, 4)
         out = []
         for chunk in ([3, 5, 7, 9, 11], [13, 2, 4]):  # context, then a 3-token verify

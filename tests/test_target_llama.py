@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 import transformers
 
+from specdec.config import KernelConfig
 from specdec.errors import CheckpointError, ConfigError, UnknownTargetError
 from specdec.target import load_target
 
@@ -111,6 +113,49 @@ def test_loader_rejects_missing_weight_and_bad_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="model_type"):
         load_target(tmp_path)
+
+
+def test_kernels_are_fixed_when_the_target_is_built(tmp_path):
+    """A target's kernels come from the ``KernelConfig`` it is built with; ``target.kernels`` holds the
+    resolved choice, and assigning an older attribute name is an error that points at the config."""
+    write_checkpoint(tmp_path, "llama")
+    target = load_target(tmp_path)
+    assert target.kernels == KernelConfig(fused=False, fused_gemm=True, fused_gemm_max_tokens=512, pdl=0)  # a CPU
+    assert (target.fused, target.fused_gemm, target.fused_gemm_max_tokens, target.pdl) == (False, True, 512, 0)
+    for name, value in (("fused", True), ("fused_gemm", False), ("fused_gemm_max_tokens", 64), ("pdl", 0)):
+        with pytest.raises(AttributeError, match=rf"LlamaTarget\.{name} is read-only.*"
+                                                 rf"kernels=KernelConfig\({name}={value}\).*load_target"):
+            setattr(target, name, value)
+    with pytest.raises(AttributeError):
+        target.kernels = KernelConfig(fused=True)
+    with pytest.raises(AttributeError):
+        target.kernels.fused = True  # frozen
+    assert target.kernels.fused is False
+    chosen = KernelConfig(fused=False, fused_gemm=False, fused_gemm_max_tokens=16, pdl=0)
+    assert load_target(tmp_path, kernels=chosen).kernels == chosen
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    (dict(fused="yes"), "fused"), (dict(fused=1), "fused"), (dict(fused_gemm=None), "fused_gemm"),
+    (dict(fused_gemm_max_tokens=0), "fused_gemm_max_tokens"), (dict(fused_gemm_max_tokens=True), "fused_gemm_max_tokens"),
+    (dict(fused_gemm_max_tokens=64.0), "fused_gemm_max_tokens"), (dict(pdl=3), "pdl"), (dict(pdl=True), "pdl"),
+])
+def test_kernel_config_names_the_bad_field(kw, field):
+    with pytest.raises(ConfigError, match=rf"KernelConfig\.{field} must be"):
+        KernelConfig(**kw)
+
+
+def test_kernels_this_machine_cannot_run_are_refused_before_the_weights_are_read(tmp_path):
+    write_checkpoint(tmp_path, "llama")
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()  # reading the weights would fail with a CheckpointError
+    with pytest.raises(ConfigError, match="kernels must be a KernelConfig"):
+        load_target(tmp_path, kernels={"fused": False})
+    with pytest.raises(ConfigError, match=r"KernelConfig.pdl=2 applies to the fused GEMMs.*fused=False"):
+        load_target(tmp_path, kernels=KernelConfig(pdl=2))  # a CPU: no fused kernels by default
+    if not os.environ.get("TRITON_INTERPRET"):  # outside the interpreter Triton's kernels cannot run on a CPU
+        with pytest.raises(ConfigError, match=r"KernelConfig.fused=True"):
+            load_target(tmp_path, kernels=KernelConfig(fused=True))
 
 
 @pytest.mark.slow

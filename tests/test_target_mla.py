@@ -195,3 +195,13 @@ def test_missing_weight_is_named(tmp_path):
         load_target(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3"
+
+
+def test_kernels_are_refused_for_an_mla_checkpoint(tmp_path):
+    """MLA targets run PyTorch only: a KernelConfig for one is an error, not ignored."""
+    from specdec.config import KernelConfig
+
+    write_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="kernels applies to Llama-family targets.*deepseek_v3"):
+        load_target(tmp_path, kernels=KernelConfig(fused=False))
+    assert isinstance(load_target(tmp_path), MLATarget)

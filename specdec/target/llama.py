@@ -7,17 +7,19 @@ the same forward serves context, decode, verify and mixed batches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specdec.attention.shapes import AttnShape
+from specdec.config import KernelConfig
 from specdec.errors import CheckpointError, ConfigError
 from specdec.kvcache.pool import LayerSpec
-from specdec.layers import inv_freq, rms_norm, rotate, signed_sin, swiglu
+from specdec.layers import inv_freq
+from specdec.target.llama_ops import FusedGemmOps, FusedOps, LayerOps, TorchOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -136,6 +138,21 @@ class _Layer:
     k_norm: torch.Tensor | None
 
 
+class _KernelChoice:
+    """A field of :attr:`LlamaTarget.kernels` under its older attribute name: readable, and an
+    error to assign (kernels are chosen when the target is built)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, target, owner=None):
+        return self if target is None else getattr(target.kernels, self.name)
+
+    def __set__(self, target, value) -> None:
+        raise AttributeError(f"LlamaTarget.{self.name} is read-only: kernels are chosen when the target is built; "
+                             f"pass kernels=KernelConfig({self.name}={value!r}) to LlamaTarget(...) or load_target(...)")
+
+
 class LlamaTarget:
     """A Llama-family causal LM on specdec's paged KV cache.
 
@@ -146,13 +163,29 @@ class LlamaTarget:
         name: shown in stats and errors.
         dtype: compute and cache dtype.
         device: where to run.
+        kernels: which kernels the forward runs (default ``KernelConfig()``: fused Triton kernels on
+            CUDA, plain PyTorch elsewhere); :attr:`kernels` holds the resolved choice.
+
+    Attributes:
+        kernels: the kernels it runs (read-only; every ``None`` resolved).
+        fused, fused_gemm, fused_gemm_max_tokens, pdl: the same fields of :attr:`kernels`, under
+            their older names; read-only (assigning one raises ``AttributeError``).
 
     Raises:
+        ConfigError: ``kernels`` is not a :class:`~specdec.config.KernelConfig`, or asks for what
+            this machine lacks (Triton, its CPU interpreter, PDL on an SM90+ GPU), checked before
+            the weights are copied.
         CheckpointError: a weight is missing or has the wrong shape.
     """
 
+    fused = _KernelChoice()
+    fused_gemm = _KernelChoice()
+    fused_gemm_max_tokens = _KernelChoice()
+    pdl = _KernelChoice()
+
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], tokenizer: Any = None,
-                 name: str = "llama", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 name: str = "llama", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kernels: KernelConfig | None = None):
         self.config, self.tokenizer, self.name = config, tokenizer, name
         self.dtype, self.device = dtype, torch.device(device)
         self.vocab_size = config.vocab_size
@@ -160,28 +193,23 @@ class LlamaTarget:
         self.eos_token_ids = config.eos_token_ids
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
+        kernels = resolve_kernels(KernelConfig() if kernels is None else kernels, self.device)
         self._load(weights)
+        max_tokens = kernels.fused_gemm_max_tokens or fused_gemm_max_tokens(self.layers[0] if self.layers else None)
+        self._kernels = dataclasses.replace(kernels, fused_gemm_max_tokens=max_tokens)
         self.scale = config.head_dim ** -0.5
         pos = torch.arange(self.max_context, dtype=torch.float32)
         freqs = torch.outer(pos, rope_inv_freq(config))
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_context, D]
-        self._cos = emb.cos().to(dtype=dtype, device=self.device)
-        self._sin = emb.sin().to(dtype=dtype, device=self.device)
-        # Fused Triton elementwise kernels on the GPU (a step is launch-bound there); plain
-        # PyTorch elsewhere. Tests set it on the CPU under TRITON_INTERPRET=1.
-        self.fused = self.device.type == "cuda" and _has_triton()
-        # With ``fused``, steps of at most ``fused_gemm_max_tokens`` tokens also fold each norm, RoPE,
-        # cache write, activation and residual add into the GEMM beside it (five kernels a layer
-        # plus attention; see kernels.py). Needs a cache of the compute dtype and no QK norm.
-        self.fused_gemm = True
-        self.fused_gemm_max_tokens = fused_gemm_max_tokens(self.layers[0] if self.layers else None)
-        # Programmatic dependent launch level of the fused GEMMs (specdec.pdl): on SM90+ each kernel
-        # launches while the previous one runs and prefetches its weights into L2 meanwhile.
-        self.pdl = 0
-        if self.fused:
-            from specdec.pdl import pdl_level
+        #: RoPE tables ``[max_context, D]`` in the compute dtype; the sine's halves both positive, as
+        #: the fused kernels read it
+        self.rope_cos = emb.cos().to(dtype=dtype, device=self.device)
+        self.rope_sin = emb.sin().to(dtype=dtype, device=self.device)
 
-            self.pdl = pdl_level(self.device)
+    @property
+    def kernels(self) -> KernelConfig:
+        """The kernels this target runs, every ``None`` of the given config resolved (read-only)."""
+        return self._kernels
 
     def _load(self, w: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -241,96 +269,75 @@ class LlamaTarget:
         """``[T]`` → ``[T, hidden_size]``."""
         return self.embed[input_ids]
 
-    def _use_fused_gemm(self, num_tokens: int, pool) -> bool:
-        return (self.fused and self.fused_gemm and num_tokens <= self.fused_gemm_max_tokens
-                and not self.config.qk_norm and all(k.dtype == self.dtype for k in pool.k[: self.num_layers]))
-
     def forward(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
-        if self._use_fused_gemm(input_ids.shape[0], pool):
-            return self._forward_fused_gemm(input_ids, positions, attn, pool, hidden_layer_ids)
-        if self.fused:
-            return self._forward_fused(input_ids, positions, attn, pool, hidden_layer_ids)
-        c = self.config
-        T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        cos, sin = self._cos[positions].unsqueeze(1), signed_sin(self._sin[positions]).unsqueeze(1)  # [T, 1, D]
-        x = self.embed[input_ids]  # [T, hidden]
+        """See :meth:`specdec.target.base.Target.forward`. One loop over the layers; each step of a
+        layer comes from the op set :meth:`_ops` picks for this forward (their results agree to
+        rounding: the fused kernels round as the PyTorch forward does, in another order)."""
+        D = self.config.head_dim
+        x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream
+        ops = self._ops(input_ids.shape[0], pool)(self, positions, attn, pool)
         wanted, captured = set(hidden_layer_ids), {}
         for i, L in enumerate(self.layers):
-            h = rms_norm(x, L.norm_in, c.rms_norm_eps)
-            qkv = F.linear(h, L.w_qkv, L.b_qkv)  # [T, (H + 2 Hkv) * D]
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-            if L.q_norm is not None:
-                q, k = rms_norm(q, L.q_norm, c.rms_norm_eps), rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q, k, v = ops.attention_in(i, L, x)
             o = attn.attend(q, k, v, pool.k[i], pool.v[i], self.scale, D, kv_scale=pool.specs[i].kv_scale)  # [T, H, D]
-            x = x + F.linear(o.reshape(T, H * D), L.w_o)
-            x = x + swiglu(rms_norm(x, L.norm_post, c.rms_norm_eps), L.w_gate_up, L.w_down)
+            x = ops.attention_out(L, o, x)
+            x = ops.mlp(L, x)
             if i in wanted:
-                captured[i] = x
-        return x, captured
+                captured[i] = ops.layer_output(x)
+        return ops.output(x), captured
 
-    def _forward_fused(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
-        """The same decoder with fused norm / RoPE+cache-write / SiLU kernels and each residual
-        add folded into the next norm: about nine kernels per layer, no host synchronisation."""
-        from specdec.target.kernels import add_rms_norm_, rope_, rope_write_kv_, silu_mul
-
-        c = self.config
-        T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps, wanted, captured = c.rms_norm_eps, set(hidden_layer_ids), {}
-        x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream, updated in place
-        delta = None  # what the last sub-layer adds to x, folded into the next norm
-        for i, L in enumerate(self.layers):
-            h = add_rms_norm_(x, delta, L.norm_in, eps)
-            qkv = F.linear(h, L.w_qkv, L.b_qkv)  # [T, (H + 2 Hkv) * D]
-            if L.q_norm is not None:  # Qwen3: per-head norm before RoPE (rare; plain PyTorch)
-                q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-                qkv = torch.cat([rms_norm(q.view(T, H, D), L.q_norm, eps).view(T, H * D),
-                                 rms_norm(k.view(T, Hkv, D), L.k_norm, eps).view(T, Hkv * D), v], -1)
-            kc, vc = pool.k[i], pool.v[i]
-            if kc.dtype == qkv.dtype:  # RoPE and the cache write in one kernel; attend only reads
-                q = rope_write_kv_(qkv, H, Hkv, D, self._cos, self._sin, positions, attn.slot_mapping, kc, vc)
-                o = attn.attend(q, None, None, kc, vc, self.scale, D)
-            else:  # an FP8 cache: attend quantizes what it writes
-                rope_(qkv, H + Hkv, D, self._cos, self._sin, positions)  # Q heads then K heads, in place
-                q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-                o = attn.attend(q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D), kc, vc, self.scale, D,
-                                kv_scale=pool.specs[i].kv_scale)
-            h = add_rms_norm_(x, F.linear(o.reshape(T, H * D), L.w_o), L.norm_post, eps)
-            delta = F.linear(silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
-            if i in wanted:
-                captured[i] = x + delta
-        return x + delta, captured
-
-    def _forward_fused_gemm(self, input_ids, positions, attn, pool, hidden_layer_ids: Sequence[int] = ()):
-        """The decoder in five fused kernels a layer plus attention (steps of few tokens): the
-        residual stream is updated in place by the O and down projections' epilogues."""
-        from specdec.target.kernels import fused_linear, qkv_rope_write_kv, ss_parts
-
-        c = self.config
-        T, H, Hkv, D = input_ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps, wanted, captured, pdl = c.rms_norm_eps, set(hidden_layer_ids), {}, self.pdl
-        x = self.embed[input_ids]  # [T, hidden], a fresh tensor: the residual stream
-        # partial sums of squares of x's rows, left by the kernel that last wrote x for the next norm
-        ss_o = torch.empty(T, ss_parts(c.hidden_size, H * D), dtype=torch.float32, device=x.device)
-        ss_down = torch.empty(T, ss_parts(c.hidden_size, c.intermediate_size), dtype=torch.float32, device=x.device)
-        for i, L in enumerate(self.layers):
-            kc, vc = pool.k[i], pool.v[i]
-            q = qkv_rope_write_kv(x, L.w_qkv, L.b_qkv, L.norm_in, eps, H, Hkv, D, self._cos, self._sin,
-                                  positions, attn.slot_mapping, kc, vc, norm_ss=ss_down if i else None, pdl=pdl)
-            o = attn.attend(q, None, None, kc, vc, self.scale, D)
-            fused_linear(o.reshape(T, H * D), L.w_o, residual=x, out=x, ss_out=ss_o, pdl=pdl)
-            a = fused_linear(x, L.w_gate_up, norm_weight=L.norm_post, eps=eps, silu_mul=True, norm_ss=ss_o, pdl=pdl)
-            fused_linear(a, L.w_down, residual=x, out=x, ss_out=ss_down, pdl=pdl)
-            if i in wanted:
-                captured[i] = x.clone()
-        return x, captured
+    def _ops(self, num_tokens: int, pool) -> type[LayerOps]:
+        """The op set of a forward over ``num_tokens`` tokens and ``pool``'s cache."""
+        k = self._kernels
+        if not k.fused:
+            return TorchOps
+        if (k.fused_gemm and num_tokens <= k.fused_gemm_max_tokens and not self.config.qk_norm
+                and all(t.dtype == self.dtype for t in pool.k[: self.num_layers])):
+            return FusedGemmOps
+        return FusedOps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.fused and self.fused_gemm and hidden.shape[0] <= self.fused_gemm_max_tokens:
-            from specdec.target.kernels import fused_linear
+        """``[n, hidden_size]`` → fp32 logits ``[n, vocab_size]`` (final norm, then LM head)."""
+        k = self._kernels
+        gemm = k.fused and k.fused_gemm and hidden.shape[0] <= k.fused_gemm_max_tokens
+        return (FusedGemmOps if gemm else LayerOps).logits(self, hidden)
 
-            return fused_linear(hidden.contiguous(), self.lm_head, norm_weight=self.final_norm,
-                                eps=self.config.rms_norm_eps, out_dtype=torch.float32, pdl=self.pdl)
-        h = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+
+def resolve_kernels(kernels: KernelConfig, device: torch.device) -> KernelConfig:
+    """``kernels`` with ``fused`` and ``pdl`` chosen for ``device`` where ``None`` (the automatic
+    ``fused_gemm_max_tokens`` needs the weights: :class:`LlamaTarget` chooses it).
+
+    Args:
+        kernels: the asked-for kernels.
+        device: where the target runs.
+
+    Returns:
+        ``kernels`` with ``fused`` a bool and ``pdl`` a level.
+
+    Raises:
+        ConfigError: not a ``KernelConfig``; fused kernels without Triton, or on a CPU outside
+            Triton's interpreter; a PDL level without the fused GEMMs or without an SM90+ GPU.
+    """
+    if not isinstance(kernels, KernelConfig):
+        raise ConfigError(f"kernels must be a KernelConfig or None, got {type(kernels).__name__}")
+    fused = kernels.fused if kernels.fused is not None else device.type == "cuda" and _has_triton()
+    if fused and not _has_triton():
+        raise ConfigError("KernelConfig.fused=True needs Triton, which is not installed (pip extra 'gpu')")
+    if fused and device.type == "cpu":
+        import triton
+
+        if not triton.knobs.runtime.interpret:
+            raise ConfigError("KernelConfig.fused=True on a CPU runs the kernels in Triton's interpreter: "
+                              "set TRITON_INTERPRET=1 before specdec is imported, or use fused=False")
+    gemm = fused and kernels.fused_gemm
+    if kernels.pdl and not gemm:
+        raise ConfigError(f"KernelConfig.pdl={kernels.pdl} applies to the fused GEMMs: it needs fused=True and "
+                          f"fused_gemm=True, got fused={fused}, fused_gemm={kernels.fused_gemm}")
+    pdl = 0
+    if gemm and kernels.pdl != 0:
+        from specdec.pdl import pdl_level
+
+        pdl = pdl_level(device)
+        if kernels.pdl is not None and not pdl:
+            raise ConfigError(f"KernelConfig.pdl={kernels.pdl} needs a CUDA GPU with SM90 or newer, got {device}")
+    return dataclasses.replace(kernels, fused=fused, pdl=pdl if kernels.pdl is None else kernels.pdl)

