@@ -117,3 +117,9 @@ if triton is not None:
     from specdec.attention.backends.triton_mla import TritonMLABackend
 
     register_backend(TritonMLABackend)
+
+# CuTe DSL MLA kernel (pip extra "cute"): imports without the package; supports() refuses every shape
+# until its GPU tests pass (cute_mla.VALIDATED_SM) and cost() ranks it behind triton_mla until measured.
+from specdec.attention.backends.cute_mla import CuteMLABackend  # noqa: E402
+
+register_backend(CuteMLABackend)
