@@ -18,6 +18,9 @@
 #   bash bench/device_gpu.sh pgoverlap # batch 1, tuned suffix drafter: prompt graphs and overlapped steps on and off,
 #                                      # in one run (REPEAT rounds, default 2; CPROFILE=N: + a cProfile of each
 #                                      # system over N prompts, untimed)
+#   bash bench/device_gpu.sh core      # GPU tests of the engine core, then e2e null/suffix/dflash/dspark at batch 1, 8, 32
+#   bash bench/device_gpu.sh cute      # cute_mla's GPU tests, then its columns beside triton_mla (wheels staged first)
+#   bash bench/device_gpu.sh helix     # bench/helix.py with cp = 1 (one GPU)
 #   bash bench/device_gpu.sh sampling  # greedy, half-sampled and all-sampled batches of 32 Spec-Bench prompts, null and
 #                                      # suffix: step time vs all-greedy, greedy rows and seeded rows equal (REPEAT:
 #                                      # rounds, default 1). Needs .evaldata/question.jsonl (git-ignored evaluation
@@ -90,6 +93,22 @@ for part in "$@"; do
         --out "$OUT/host" 2>&1 | grep "^|" | head -8
       timeout 120 python bench/host_profile.py --device cuda --batch-sizes 1,32 --cprofile --eager-prompts --out "$OUT/host_cprofile" \
         2>&1 | grep "^|" | head -4 ;;
+    core)  # the engine core after its restructuring: GPU tests of graphs, overlap and the real model, then
+           # outputs equal to null and tokens/s at batch 1, 8, 32 (compare with BENCHMARKS.md's end-to-end table)
+      timeout 240 python -m pytest tests/test_cuda_graphs.py tests/test_overlap.py tests/test_block_propose.py \
+        tests/test_pdl.py tests/test_target_kernels.py -m gpu -p no:cacheprovider -rA -o addopts= > "$OUT/gpu_tests_core.txt" 2>&1
+      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests_core.txt" | head -30
+      timeout 330 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dspark --skip-hf --out "$OUT/e2e_core" 2>&1 | grep "^|" ;;
+    cute)  # the CuTe DSL MLA kernel (needs the nvidia-cutlass-dsl wheels staged: see cute_mla's docstring),
+           # then its columns beside triton_mla on the quick grid
+      timeout 300 python -m pytest -m gpu tests/test_cute_mla.py -q -p no:cacheprovider -o addopts= 2>&1 | tail -15 \
+        | tee "$OUT/gpu_tests_cute.txt"
+      timeout 240 python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out "$OUT/mla_cute" \
+        2>&1 | tail -30 ;;
+    helix)  # Helix attention against context, cp = 1 on one GPU (cp = 2, 4 need a machine with several GPUs)
+      timeout 300 torchrun --standalone --nproc-per-node 1 bench/helix.py --device cuda --out "$OUT/helix" 2>&1 \
+        | grep -E "^\||Error" ;;
     mla)
       timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \
         --budget-s "${MLA_GRID_S:-240}" --out "$OUT/mla" 2>&1 | tail -60 ;;
