@@ -29,7 +29,7 @@ from specdec.errors import (ConfigError, EngineClosedError, InvalidRequestError,
 from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget, pages_for
 from specdec.kvcache.sizing import default_kv_budget
 from specdec.kvcache.draft_kv import DraftKV
-from specdec.executor import choose_executor
+from specdec.executor import OverlapExecutor, PlainExecutor, overlap_wanted
 from specdec.graphs import GraphPolicy
 from specdec.model_runner import ModelRunner
 from specdec.parallel.runtime import helix_shard, local_num_pages, page_manager
@@ -108,16 +108,14 @@ class SpecEngine:
         # most draft tokens a request verifies per step; 0: the drafter never drafts (no slots reserved)
         self._max_draft = 0 if getattr(self.drafter, "never_drafts", False) else cfg.max_draft_tokens
         self._check_forced_backend()
-        self.runner = self._model_runner()
+        overlap = overlap_wanted(cfg.overlap_steps, not self._max_draft, target.device.type,
+                                 type(self.drafter).__name__, cfg.max_draft_tokens)
+        self.runner = self._model_runner(overlap)
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
                         "overlapped_steps": 0}
         #: how steps follow each other (:mod:`specdec.executor`): ``plain`` or ``overlap``
-        self.executor = choose_executor(cfg.overlap_steps, not self._max_draft, target.device.type,
-                                        type(self.drafter).__name__, cfg.max_draft_tokens,
-                                        scheduler=self.scheduler, runner=self.runner,
-                                        max_context=target.max_context, timings=self.timings)
-        # steps in flight together: the argmax leaves the device through pinned buffers used in turn
-        self.runner.copy_argmax_out = self.executor.name == "overlap"
+        self.executor = (OverlapExecutor(self.scheduler, self.runner, target.max_context, self.timings)
+                         if overlap else PlainExecutor())
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._last_backends: dict[str, str] = {}
@@ -141,7 +139,8 @@ class SpecEngine:
             budget = default_kv_budget(need, self.target.device)
         return num_pages_for_budget(budget, per_token, tpb)
 
-    def _model_runner(self) -> ModelRunner:
+    def _model_runner(self, overlap: bool) -> ModelRunner:
+        """The runner; ``overlap``: steps will be in flight together (see ``ModelRunner.copy_argmax_out``)."""
         cfg = self.config
         policy, scratch = None, self._scratch_slot
         if cfg.cuda_graphs:
@@ -152,7 +151,7 @@ class SpecEngine:
         # a partial, not a bound method: the runner must not keep the engine alive (a reference cycle)
         return ModelRunner(self.target, self.pool, policy, cfg.tokens_per_block, self._shape_of(),
                            self.drafter.target_layer_ids, cfg.attention_backend, scratch, shard=self.helix,
-                           backends=available_backends(cfg.attention_config))
+                           backends=available_backends(cfg.attention_config), copy_argmax_out=overlap)
 
     def _shape_of(self):
         """``(phase, max_q_len, mixed) -> AttnShape`` of this target, cache and Helix degree."""

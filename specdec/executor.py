@@ -10,7 +10,7 @@ commit; :meth:`specdec.engine.SpecEngine.step`). A strategy only decides two thi
 decode step before the current one's tokens reach the host, its input tokens copied on the
 device, so the host's work between steps overlaps the GPU. It needs a drafter whose
 proposal does not need this step's result: a drafter that never drafts
-(``Drafter.never_drafts``, or ``max_draft_tokens=0``); :func:`choose_executor` refuses any
+(``Drafter.never_drafts``, or ``max_draft_tokens=0``); :func:`overlap_wanted` refuses any
 other with the reason.
 """
 
@@ -137,9 +137,9 @@ class OverlapExecutor(PlainExecutor):
         return self._ahead is not None
 
 
-def choose_executor(overlap_steps: bool | None, never_drafts: bool, device_type: str, drafter_name: str,
-                    max_draft_tokens: int, **parts) -> PlainExecutor:
-    """The step strategy ``EngineConfig.overlap_steps`` asks for.
+def overlap_wanted(overlap_steps: bool | None, never_drafts: bool, device_type: str, drafter_name: str,
+                   max_draft_tokens: int) -> bool:
+    """Whether ``EngineConfig.overlap_steps`` asks for :class:`OverlapExecutor` (else :class:`PlainExecutor`).
 
     Args:
         overlap_steps: ``True`` (required), ``False`` (off) or ``None`` (where it helps: a
@@ -147,7 +147,6 @@ def choose_executor(overlap_steps: bool | None, never_drafts: bool, device_type:
         never_drafts: the drafter never proposes a token (or ``max_draft_tokens`` is 0).
         device_type: the target's device type.
         drafter_name, max_draft_tokens: named in the error.
-        **parts: :class:`OverlapExecutor`'s arguments.
 
     Raises:
         ConfigError: ``overlap_steps=True`` with a drafter that drafts (its proposals need each
@@ -158,6 +157,4 @@ def choose_executor(overlap_steps: bool | None, never_drafts: bool, device_type:
                           f"max_draft_tokens=0); got {drafter_name} with max_draft_tokens={max_draft_tokens}: "
                           "its proposals need each step's accepted tokens")
     auto = overlap_steps is None and device_type == "cuda"
-    if (overlap_steps or auto) and never_drafts:
-        return OverlapExecutor(**parts)
-    return PlainExecutor()
+    return bool(overlap_steps or auto) and never_drafts

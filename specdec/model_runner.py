@@ -114,11 +114,14 @@ class ModelRunner:
         backends: the attention backends this runner selects from, its own instances
             (``available_backends(engine_config.attention_config)``); ``None``: every registered
             backend with default options.
+        copy_argmax_out: steps will be in flight together (an overlapped executor): each step's
+            tokens leave the device through pinned buffers used in turn, and :meth:`finish` waits
+            for that step only.
     """
 
     def __init__(self, target, pool, policy: GraphPolicy | None, tokens_per_block: int, shape_of,
                  hidden_layer_ids=(), requested_backend: str | None = None, scratch_slot: int | None = None,
-                 shard=None, backends=None):
+                 shard=None, backends=None, copy_argmax_out: bool = False):
         self.target, self.pool, self.policy, self.tpb = target, pool, policy, tokens_per_block
         self.shape_of = shape_of
         self.hidden_layer_ids = tuple(hidden_layer_ids)
@@ -128,10 +131,10 @@ class ModelRunner:
         self.backends = tuple(backends) if backends is not None else tuple(available_backends())
         self._graphs: dict[GraphKey, _Captured] = {}
         self._mempool = None
-        # set by an engine that launches a step before finishing the one before it (overlap_steps):
-        # the argmax then leaves the device through pinned buffers used in turn, and finish() waits
-        # on an event for that step only
-        self.copy_argmax_out = False
+        # an engine that launches a step before finishing the one before it (overlap_steps): the
+        # argmax then leaves the device through pinned buffers used in turn, and finish() waits on
+        # an event for that step only
+        self.copy_argmax_out = copy_argmax_out
         self._argmax_host: list[torch.Tensor | None] = [None, None]
         self._ring = 0
         # graph/eager step counts, why steps ran eagerly, captures, and which backend ran each phase

@@ -196,6 +196,30 @@ def test_helix_rank_writes_only_owned_positions():
     _spawn(_writes_worker, 2)
 
 
+# -- head-parallel output projection -------------------------------------------------------------
+def _head_parallel_worker(rank: int, world: int, store: str, want) -> None:
+    import specdec.attention.backends.helix_ref as helix_ref
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the heads were gathered: the output projection is not head-parallel")
+
+    helix_ref.gather_heads = no_gather  # the target's layers must project their own heads and all-reduce
+    _init(rank, world, store)
+    try:
+        with engine(make_target(48), SuffixAutomatonDrafter(), world, 4) as e:
+            outs = e.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+            assert [o.token_ids for o in outs] == want
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_helix_output_projection_is_head_parallel():
+    """Each rank projects only the heads the exchange left it (its columns of o_proj) and one all-reduce of
+    ``[T, hidden]`` sums the parts: no all-gather of ``[T, H, kv_lora_rank]``; tokens equal to cp = 1."""
+    _spawn(_head_parallel_worker, 2, reference(48))
+
+
 # -- configuration errors -------------------------------------------------------------------------
 def test_helix_config_errors(tiny, tmp_path):
     with pytest.raises(ConfigError, match="helix_cp must be an integer >= 1"):

@@ -38,11 +38,21 @@ class AttentionMetadata:
         phases: context phase (if any) then generation phase (if any).
         write_rows: under Helix, the rows of the step whose K/V this rank owns and stores
             (``slot_mapping`` is negative elsewhere). ``[num_owned]``; ``None``: every row.
+        shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard`; ``None``: unsharded.
     """
 
     slot_mapping: torch.Tensor
     phases: tuple[PhasePlan, ...]
     write_rows: torch.Tensor | None = None
+    shard: Any = None
+
+    def local_heads(self, num_heads: int) -> slice:
+        """The heads :meth:`attend` returns with ``local_heads=True``: under Helix this rank's
+        ``num_heads / cp`` (the ones the exchange by head leaves it), else all of them."""
+        if self.shard is None:
+            return slice(0, num_heads)
+        per = num_heads // self.shard.cp
+        return slice(self.shard.rank * per, (self.shard.rank + 1) * per)
 
     @property
     def backends(self) -> dict[str, str]:
@@ -50,7 +60,8 @@ class AttentionMetadata:
         return {p.shape.phase: p.backend.name for p in self.phases}
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float, v_head_dim: int, *, kv_scale: float = 1.0,
-               q_scale: float | None = None, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+               q_scale: float | None = None, compute_dtype: torch.dtype | None = None,
+               local_heads: bool = False) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend each phase.
 
         Args:
@@ -63,9 +74,13 @@ class AttentionMetadata:
             kv_scale: per-tensor scale of an FP8 cache (1.0 otherwise).
             q_scale: scale of an E4M3 ``q``, or of the internal quantization of a float ``q``.
             compute_dtype: dtype attention computes in (default: ``q``'s, bf16 for an E4M3 ``q``).
+            local_heads: under Helix, return only this rank's heads (:meth:`local_heads`), the
+                slice the exchange by head leaves it, for a head-parallel output projection;
+                without Helix every head.
 
         Returns:
-            ``[num_tokens, num_heads, v_head_dim]``.
+            ``[num_tokens, num_heads, v_head_dim]`` (with ``local_heads`` under Helix:
+            ``[num_tokens, num_heads / cp, v_head_dim]``).
 
         Raises:
             FP8InputError: K and V of different dtypes, or E4M3 inputs for a non-FP8 cache.
@@ -82,10 +97,14 @@ class AttentionMetadata:
         if q.dtype == E4M3 or q_scale is not None:
             q = prepare_q(q, q_scale, compute_dtype or (torch.bfloat16 if q.dtype == E4M3 else q.dtype))
         extra = {"kv_scale": kv_scale} if kv_scale != 1.0 else {}
+        heads = q.shape[1]
+        if local_heads and self.shard is not None:  # Helix backends return the exchanged head slice
+            extra["local_heads"] = True
+            heads //= self.shard.cp
         if len(self.phases) == 1:
             p = self.phases[0]
             return p.backend.run(p.plan, q, k_cache, v_cache, scale, v_head_dim, **extra)
-        out = q.new_empty(q.shape[0], q.shape[1], v_head_dim)
+        out = q.new_empty(q.shape[0], heads, v_head_dim)
         for p in self.phases:
             out[p.start : p.stop] = p.backend.run(p.plan, q[p.start : p.stop], k_cache, v_cache, scale, v_head_dim, **extra)
         return out
@@ -142,4 +161,4 @@ def plan_step(
         phases.append(PhasePlan(shape, start, stop, backend, backend.plan(batch)))
         start = stop
     write_rows = None if shard is None else torch.nonzero(slot_mapping >= 0).flatten()  # [num_owned]
-    return AttentionMetadata(slot_mapping, tuple(phases), write_rows)
+    return AttentionMetadata(slot_mapping, tuple(phases), write_rows, shard)

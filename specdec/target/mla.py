@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from specdec.attention.shapes import AttnShape
@@ -471,9 +472,22 @@ class MLATarget:
         q_lat = torch.einsum("thn,hnr->thr", q_nope, L.w_uk)  # [T, H, r]
         q = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, r + rope]
         k = torch.cat([c_kv[:, None, :], k_rope], dim=-1)  # [T, 1, r + rope]
-        o_lat = attn.attend(q, k, None, k_cache, None, self.scale, r, kv_scale=kv_scale)  # [T, H, r]
-        o = torch.einsum("thr,hvr->thv", o_lat, L.w_uv)  # [T, H, v]
-        return F.linear(o.reshape(T, H * c.v_head_dim), L.w_o, L.b_o)
+        shard = getattr(attn, "shard", None)
+        if shard is None:
+            o_lat = attn.attend(q, k, None, k_cache, None, self.scale, r, kv_scale=kv_scale)  # [T, H, r]
+            o = torch.einsum("thr,hvr->thv", o_lat, L.w_uv)  # [T, H, v]
+            return F.linear(o.reshape(T, H * c.v_head_dim), L.w_o, L.b_o)
+        # Helix: head-parallel output projection. The exchange by head left this rank its heads'
+        # outputs over the whole context; it projects them with its columns of o_proj, and one
+        # all-reduce of [T, hidden] sums the ranks' parts (instead of gathering [T, H, r] first).
+        heads = attn.attend(q, k, None, k_cache, None, self.scale, r, kv_scale=kv_scale, local_heads=True)  # [T, H/cp, r]
+        own = attn.local_heads(H)
+        o = torch.einsum("thr,hvr->thv", heads, L.w_uv[own])  # [T, H/cp, v]
+        cols = slice(own.start * c.v_head_dim, own.stop * c.v_head_dim)
+        part = F.linear(o.reshape(T, -1), L.w_o[:, cols]).float()  # [T, hidden], summed in fp32
+        dist.all_reduce(part, group=shard.group)
+        out = part.to(h.dtype)
+        return out if L.b_o is None else out + L.b_o
 
     def _moe(self, m: _MoE, h: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3 MoE: sigmoid router, group-limited top-k (noaux_tc), shared experts. ``[T, hidden]``."""

@@ -65,9 +65,11 @@ class HelixRefBackend(AttentionBackend):
         return HelixPlan(shard, plan)
 
     def run(self, plan: HelixPlan, q, k_cache, v_cache, scale: float, v_head_dim: int, *,
-            kv_scale: float = 1.0) -> torch.Tensor:
+            kv_scale: float = 1.0, local_heads: bool = False) -> torch.Tensor:
+        """See :meth:`AttentionBackend.run`; ``local_heads``: return only this rank's head slice
+        ``[T, H / cp, Dv]`` (for a head-parallel output projection), not every head gathered back."""
         if v_cache is not None:
             raise ConfigError("helix_ref reads K-only latent layers (v_cache must be None)")
         group = plan.shard.group
         head_slice = helix_attention(plan.plan, q, k_cache, scale, v_head_dim, group, kv_scale)  # [T, H/cp, Dv]
-        return gather_heads(head_slice, group)  # [T, H, Dv]
+        return head_slice if local_heads else gather_heads(head_slice, group)  # [T, H/cp or H, Dv]

@@ -599,13 +599,16 @@ class TritonMLABackend(AttentionBackend):
         v_head_dim: int,
         *,
         kv_scale: float = 1.0,
+        local_heads: bool = False,
     ) -> torch.Tensor:
         """Attend the phase's queries over the latent cache.
 
         Unsharded: one :meth:`attend`. Under Helix (a plan with a shard) every rank of the
         group must call this for the same phase: each attends over its own pages, the partials
         and their LSEs are exchanged by head and combined exactly
-        (:func:`~specdec.parallel.helix.exchange_heads`), and the heads gathered back.
+        (:func:`~specdec.parallel.helix.exchange_heads`), and the heads gathered back (with
+        ``local_heads``: not gathered; the rank's head slice ``[T, H / cp, latent]`` is returned,
+        for a head-parallel output projection).
 
         Args:
             plan: from :meth:`plan`.
@@ -629,8 +632,8 @@ class TritonMLABackend(AttentionBackend):
         # fp32 partials, as helix_ref's: the combine adds no rounding step.
         out, lse = self.attend(plan, q, k_cache, scale, v_head_dim, kv_scale=kv_scale, return_lse=True,
                                out_dtype=torch.float32)  # [T, H, Dv], [T, H]
-        head_slice = exchange_heads(out, lse, plan.shard.group)  # [T, H / cp, Dv] fp32
-        return gather_heads(head_slice.to(q.dtype), plan.shard.group)  # [T, H, Dv]
+        head_slice = exchange_heads(out, lse, plan.shard.group).to(q.dtype)  # [T, H / cp, Dv]
+        return head_slice if local_heads else gather_heads(head_slice, plan.shard.group)  # [T, H/cp or H, Dv]
 
     def attend(
         self,
