@@ -23,6 +23,37 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+def padded_page_tables(name: str, q_lens, kv_lens, keys, page_tables, tokens_per_block: int,
+                       device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A phase's page tables as one padded int32 tensor, with its query lengths and starts.
+
+    Args:
+        name: the backend, named in errors.
+        q_lens, kv_lens: query tokens and (global) cached tokens per request.
+        keys: the keys each request's pages hold here (``kv_lens``, or under Helix this rank's share).
+        page_tables: each request's pages, at least ``ceil(keys / tokens_per_block)`` of them.
+        tokens_per_block: page size.
+        device: where the tensors go.
+
+    Returns:
+        ``(page_table [num_seqs, max_pages], q_lens [num_seqs], q_start [num_seqs])``, int32 on ``device``
+        (rows padded with page 0, which no key past ``keys`` reads).
+
+    Raises:
+        ValueError: a request with ``q_len`` outside ``[1, kv_len]`` or too few pages.
+    """
+    pages = [-(-n // tokens_per_block) for n in keys]
+    max_pages = max(1, *pages)
+    rows = []
+    for i, (q_len, kv_len, n, pt) in enumerate(zip(q_lens, kv_lens, pages, page_tables)):
+        if not 1 <= q_len <= kv_len or len(pt) < n:
+            raise ValueError(f"{name}: request {i} has q_len={q_len}, kv_len={kv_len}, {len(pt)} pages")
+        rows.append(list(pt[:n]) + [0] * (max_pages - n))
+    lens = torch.tensor(q_lens, dtype=torch.int32)
+    start = torch.cumsum(lens, 0, dtype=torch.int32) - lens
+    return torch.tensor(rows, dtype=torch.int32).to(device), lens.to(device), start.to(device)
+
+
 def row_blocks(q_len: int, num_heads: int, block_m: int = 64) -> int:
     """Row blocks of one request: ``ceil(q_len * H / block_m)`` (no padding beyond the last block)."""
     return -(-(q_len * num_heads) // block_m)

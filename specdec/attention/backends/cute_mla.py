@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
-from specdec.attention.mla_pack import LOG2E, choose_splits, merge_partials, row_blocks
+from specdec.attention.mla_pack import LOG2E, choose_splits, merge_partials, padded_page_tables, row_blocks
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 
 TOKENS_PER_BLOCK = (16, 32, 64, 128)
@@ -206,21 +206,14 @@ class CuteMLABackend(AttentionBackend):
             raise ValueError(f"cute_mla: tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {tpb}")
         if batch.shard is not None and getattr(batch.shard, "cp", 1) > 1:
             raise ValueError("cute_mla: Helix shards are not supported")
-        pages = [-(-n // tpb) for n in batch.kv_lens]
-        max_pages = max(1, *pages)
-        rows = []
-        for i, (q_len, kv_len, n, pt) in enumerate(zip(batch.q_lens, batch.kv_lens, pages, batch.page_tables)):
-            if not 1 <= q_len <= kv_len or len(pt) < n:
-                raise ValueError(f"cute_mla: request {i} has q_len={q_len}, kv_len={kv_len}, {len(pt)} pages")
-            rows.append(list(pt[:n]) + [0] * (max_pages - n))
-        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
-        q_start = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
         dev = batch.device
+        page_table, q_lens, q_start = padded_page_tables("cute_mla", batch.q_lens, batch.kv_lens, batch.kv_lens,
+                                                         batch.page_tables, tpb, dev)
         return CuteMLAPlan(
-            page_table=torch.tensor(rows, dtype=torch.int32).to(dev),
+            page_table=page_table,
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32).to(dev),
-            q_start=q_start.to(dev),
-            q_lens=q_lens.to(dev),
+            q_start=q_start,
+            q_lens=q_lens,
             num_seqs=len(batch.q_lens),
             num_tokens=batch.num_tokens,
             max_q_len=max(batch.q_lens),

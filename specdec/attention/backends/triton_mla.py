@@ -76,6 +76,7 @@ import triton.language as tl
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
+from specdec.attention.mla_pack import padded_page_tables
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.errors import ConfigError
 from specdec.parallel.helix import exchange_heads, gather_heads
@@ -540,20 +541,13 @@ class TritonMLABackend(AttentionBackend):
                              f"the batch's {tpb}")
         num_seqs = len(batch.q_lens)
         keys = batch.kv_lens if shard is None else [shard.layout.local_length(kv, shard.rank) for kv in batch.kv_lens]
-        pages = [-(-n // tpb) for n in keys]
-        max_pages = max(1, *pages)
-        rows = []
-        for i, (q_len, kv_len, n, pt) in enumerate(zip(batch.q_lens, batch.kv_lens, pages, batch.page_tables)):
-            if not 1 <= q_len <= kv_len or len(pt) < n:
-                raise ValueError(f"triton_mla: request {i} has q_len={q_len}, kv_len={kv_len}, {len(pt)} pages")
-            rows.append(list(pt[:n]) + [0] * (max_pages - n))
-        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
-        q_start = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+        page_table, q_lens, q_start = padded_page_tables("triton_mla", batch.q_lens, batch.kv_lens, keys,
+                                                         batch.page_tables, tpb, dev)
         return TritonMLAPlan(
-            page_table=torch.tensor(rows, dtype=torch.int32).to(dev),
+            page_table=page_table,
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32).to(dev),
-            q_start=q_start.to(dev),
-            q_lens=q_lens.to(dev),
+            q_start=q_start,
+            q_lens=q_lens,
             num_seqs=num_seqs,
             num_tokens=batch.num_tokens,
             max_q_len=max(batch.q_lens),
