@@ -57,6 +57,7 @@ def capture_graph(fn, device: torch.device, pool=None, collect: bool = True):
     ``fn`` first runs once on a side stream (a warm-up: kernels compiled, cuBLAS handles and
     attention plans made, never inside a capture), then is captured with the collector held off
     (:func:`capture`), and the graph is replayed once so that its outputs hold ``fn``'s result.
+    Warm-up and capture run in inference mode (no autograd history, whatever the caller's mode).
 
     Args:
         fn: the work to capture; it must read its inputs from, and write its outputs to, tensors
@@ -70,11 +71,12 @@ def capture_graph(fn, device: torch.device, pool=None, collect: bool = True):
     """
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with capture(graph, pool, collect=collect):
-        outputs = fn()
+    with torch.inference_mode():  # a replayed step records no autograd history, whoever captures it
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph, pool, collect=collect):
+            outputs = fn()
     graph.replay()
     return graph, outputs

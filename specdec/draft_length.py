@@ -174,9 +174,11 @@ class CostProfile:
     @torch.inference_mode()
     def measure(cls, target, tokens_per_block: int = 16, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                 rows_per_request: Sequence[int] = (1, 2, 4, 8, 12, 16), context: int = 512,
-                repeats: int = 5) -> "CostProfile":
+                repeats: int = 5, backends=None) -> "CostProfile":
         """Time the target's verify step (forward and logits) at each grid point, over a scratch KV
-        pool whose requests hold ``context`` tokens each; the median of ``repeats`` runs."""
+        pool whose requests hold ``context`` tokens each; the median of ``repeats`` runs.
+        ``backends``: the attention backends to select from (an engine's own, with its options);
+        ``None``: a default set."""
         from specdec.attention.metadata import plan_step
         from specdec.kvcache import KVCacheManager, KVPool
 
@@ -192,7 +194,8 @@ class CostProfile:
                 slots = torch.tensor([s for i in range(B) for s in mgr.slots(i, context, context + q)], device=dev)
                 pos = torch.tensor([p for _ in range(B) for p in range(context, context + q)], device=dev)
                 ids = torch.zeros(B * q, dtype=torch.long, device=dev)
-                attn = plan_step([], gen, slots, lambda p, m, x: target.attn_shape(p, m, tpb, x), tpb)
+                attn = plan_step([], gen, slots, lambda p, m, x: target.attn_shape(p, m, tpb, x), tpb,
+                                 backends=backends)
                 times = []
                 for r in range(repeats + 1):
                     _sync(dev)

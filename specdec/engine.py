@@ -44,8 +44,8 @@ _SCRATCH = object()  # owns the padding slot in the page manager; never equal to
 class SpecEngine:
     """Speculative decoding engine: lossless with respect to ``target`` alone.
 
-    A drafter is untrusted: every draft is validated (length, ids in ``[0, vocab_size)``, chain
-    shape, ``probs`` shape), and a drafter that raises or returns a bad draft costs only the
+    A drafter is untrusted: every draft is validated (length, ids in ``[0, vocab_size)``,
+    ``probs`` shape, confidences), and a drafter that raises or returns a bad draft costs only the
     request concerned its draft for that step (it decodes plainly); a drafter whose lifecycle
     hook (``start_request``, ``on_accepted``, ``on_contexts``) raises for a request no longer
     drafts for it. Each fault counts in ``fault_stats`` and the request's
@@ -109,7 +109,7 @@ class SpecEngine:
         self._max_draft = 0 if getattr(self.drafter, "never_drafts", False) else cfg.max_draft_tokens
         self._check_forced_backend()
         overlap = overlap_wanted(cfg.overlap_steps, not self._max_draft, target.device.type,
-                                 type(self.drafter).__name__, cfg.max_draft_tokens)
+                                 type(self.drafter).__name__, cfg.max_draft_tokens, cfg.helix_cp)
         self.runner = self._model_runner(overlap)
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
                         "overlapped_steps": 0}
@@ -288,6 +288,7 @@ class SpecEngine:
         if seq is None or seq.status is Status.FINISHED:
             return
         self._finish(seq, "abort")
+        self.executor.settle()  # a step launched ahead for requests that all ended is dropped now
 
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs."""
@@ -349,8 +350,8 @@ class SpecEngine:
         self._wait(plan)
         emitted = self._verify(plan)
         outs = self._commit(plan, emitted)
+        self._plan = None  # committed: nothing to undo from here on
         self.executor.settle()
-        self._plan = None
         return outs
 
     def _undo_step(self) -> None:
@@ -508,7 +509,8 @@ class SpecEngine:
                 if path.is_file():
                     self._cost_profile = CostProfile.load(path)
                 else:
-                    self._cost_profile = CostProfile.measure(self.target, self.config.tokens_per_block)
+                    self._cost_profile = CostProfile.measure(self.target, self.config.tokens_per_block,
+                                                             backends=self.runner.backends)
                     self._cost_profile.save(path)
         return self._cost_profile
 

@@ -130,7 +130,14 @@ class OverlapExecutor(PlainExecutor):
             self._ahead = None
 
     def reset(self) -> None:
-        self._ahead = None
+        """Forget the step in flight, after waiting for it (its graphs and buffers may be released
+        next); an error from that step is not raised again here."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.result is not None:
+            try:
+                self.runner.finish(ahead.result)
+            except Exception:
+                pass
 
     @property
     def in_flight(self) -> bool:
@@ -138,7 +145,7 @@ class OverlapExecutor(PlainExecutor):
 
 
 def overlap_wanted(overlap_steps: bool | None, never_drafts: bool, device_type: str, drafter_name: str,
-                   max_draft_tokens: int) -> bool:
+                   max_draft_tokens: int, helix_cp: int = 1) -> bool:
     """Whether ``EngineConfig.overlap_steps`` asks for :class:`OverlapExecutor` (else :class:`PlainExecutor`).
 
     Args:
@@ -147,14 +154,20 @@ def overlap_wanted(overlap_steps: bool | None, never_drafts: bool, device_type: 
         never_drafts: the drafter never proposes a token (or ``max_draft_tokens`` is 0).
         device_type: the target's device type.
         drafter_name, max_draft_tokens: named in the error.
+        helix_cp: Helix ranks; overlapped steps are not offered under Helix (its steps run
+            eagerly, with collectives in every layer; chaining them is untested).
 
     Raises:
         ConfigError: ``overlap_steps=True`` with a drafter that drafts (its proposals need each
-            step's accepted tokens, so the next step cannot be launched before they are known).
+            step's accepted tokens, so the next step cannot be launched before they are known), or
+            with ``helix_cp > 1``.
     """
+    if overlap_steps and helix_cp > 1:
+        raise ConfigError(f"overlap_steps=True is not supported with helix_cp={helix_cp} (Helix steps run eagerly, "
+                          "with collectives in every layer); use overlap_steps=None or False")
     if overlap_steps and not never_drafts:
         raise ConfigError("overlap_steps=True needs a drafter that never drafts (the null drafter or "
                           f"max_draft_tokens=0); got {drafter_name} with max_draft_tokens={max_draft_tokens}: "
                           "its proposals need each step's accepted tokens")
-    auto = overlap_steps is None and device_type == "cuda"
+    auto = overlap_steps is None and device_type == "cuda" and helix_cp == 1
     return bool(overlap_steps or auto) and never_drafts

@@ -107,7 +107,7 @@ class StepPlan:
     their KV (``context``, ``generation``, ``budgets``, ``preempted``); once the drafter has
     proposed, :meth:`Scheduler.pack` cuts each reservation to its draft and fills in the rest.
     The runner reads ``inputs``, verification reads ``drafts`` and ``row_starts``, the commit
-    reads ``token_starts`` and ``fed``; nobody recomputes the packing.
+    reads ``token_starts`` (the drafter's hidden rows); nobody recomputes the packing.
 
     Requests are packed context requests first, then generation requests; ``requests`` is
     that order, and every per-request list below follows it (``[R]``, ``R = len(requests)``).

@@ -204,6 +204,12 @@ def _head_parallel_worker(rank: int, world: int, store: str, want) -> None:
         raise AssertionError("the heads were gathered: the output projection is not head-parallel")
 
     helix_ref.gather_heads = no_gather  # the target's layers must project their own heads and all-reduce
+    try:
+        import specdec.attention.backends.triton_mla as triton_mla
+
+        triton_mla.gather_heads = no_gather  # whichever Helix backend the selector takes
+    except ImportError:
+        pass
     _init(rank, world, store)
     try:
         with engine(make_target(48), SuffixAutomatonDrafter(), world, 4) as e:

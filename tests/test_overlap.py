@@ -87,6 +87,7 @@ def test_abort_of_every_request_of_the_step_in_flight(tiny):
     assert engine.executor.in_flight
     for r in ids:
         engine.abort(r)
+    assert not engine.executor.in_flight  # dropped at the abort: nothing holds its tensors until the next step
     assert engine.step() == [] and not engine.executor.in_flight and not engine.has_unfinished()
     assert engine.manager.num_free_pages == engine.manager.num_pages
     later = engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
@@ -118,6 +119,16 @@ def test_any_mix_of_requests_gives_plain_outputs(tiny, data):
     plain, overlap = _pair(tiny, **kw)
     assert _outputs(overlap, prompts, params) == _outputs(plain, prompts, params)
     assert overlap.manager.num_free_pages == overlap.manager.num_pages
+
+
+def test_overlap_is_not_offered_under_helix():
+    from specdec.executor import overlap_wanted
+
+    with pytest.raises(ConfigError, match="helix_cp=2"):
+        overlap_wanted(True, True, "cuda", "NullDrafter", 0, helix_cp=2)
+    assert overlap_wanted(None, True, "cuda", "NullDrafter", 0, helix_cp=2) is False
+    assert overlap_wanted(None, True, "cuda", "NullDrafter", 0) is True
+    assert overlap_wanted(None, True, "cpu", "NullDrafter", 0) is False
 
 
 def test_sampled_requests_overlap_too(tiny):

@@ -484,7 +484,8 @@ class MLATarget:
         own = attn.local_heads(H)
         o = torch.einsum("thr,hvr->thv", heads, L.w_uv[own])  # [T, H/cp, v]
         cols = slice(own.start * c.v_head_dim, own.stop * c.v_head_dim)
-        part = F.linear(o.reshape(T, -1), L.w_o[:, cols]).float()  # [T, hidden], summed in fp32
+        # [T, hidden]: each rank's part in the compute dtype, the sum over ranks in fp32
+        part = F.linear(o.reshape(T, -1), L.w_o[:, cols]).float()
         dist.all_reduce(part, group=shard.group)
         out = part.to(h.dtype)
         return out if L.b_o is None else out + L.b_o

@@ -94,6 +94,11 @@ class AttentionBackend:
             kv_scale: per-tensor dequantisation scale of the cache, K and V alike
                 (an FP8 cache holds ``value / kv_scale``); 1.0 for bf16/fp32 caches.
 
+        A backend that runs Helix shapes (``helix_cp > 1``) also takes ``local_heads: bool``
+        (passed only under Helix, by :meth:`AttentionMetadata.attend`): return this rank's head
+        slice after the exchange by head, ``[num_tokens, num_heads / cp, v_head_dim]``, instead of
+        every head gathered back.
+
         Returns:
             ``[num_tokens, num_heads, v_head_dim]``.
         """
