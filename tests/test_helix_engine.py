@@ -12,6 +12,7 @@ sharded pages gets its own unsharded pool, and ``kv_layout`` says why.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import timedelta
 
@@ -28,7 +29,7 @@ from specdec.drafters.block import init_weights
 from specdec.errors import ConfigError, HelixConfigError
 from specdec.kvcache import pages_for
 from specdec.parallel import HelixPageManager
-from specdec.target.mla import MLATarget
+from specdec.target.mla import MLATarget, random_weights
 
 TPB, NEW, DRAFT = 16, 20, 4
 DIST_TIMEOUT_S = 90
@@ -38,10 +39,15 @@ PROMPTS = [[5, 6, 7, 8] * 6, [9], list(range(100, 117)), [3, 1, 4, 1, 5, 9, 2, 6
            list(range(300, 340)), [11, 12, 13] * 4, [77, 78]]
 
 
-def make_target(heads: int) -> MLATarget:
-    return MLATarget.random(num_heads=heads, num_layers=2, hidden_size=256, vocab_size=512, intermediate_size=512,
-                            q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=512,
-                            seed=0)
+def make_target(heads: int, bias: bool = False) -> MLATarget:
+    """``bias``: with attention biases (o_proj's among them), through HF-named weights."""
+    t = MLATarget.random(num_heads=heads, num_layers=2, hidden_size=256, vocab_size=512, intermediate_size=512,
+                         q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=512,
+                         seed=0)
+    if not bias:
+        return t
+    cfg = dataclasses.replace(t.config, attention_bias=True)
+    return MLATarget(cfg, random_weights(cfg, seed=0), name="mla-random-bias")
 
 
 def make_drafter(kind: str):
@@ -75,9 +81,9 @@ def check_shares(e: SpecEngine) -> None:
     assert held + m.helix.num_free_pages == m.local_pages
 
 
-def reference(heads: int) -> list[tuple[int, ...]]:
+def reference(heads: int, bias: bool = False) -> list[tuple[int, ...]]:
     """The cp = 1 engine (plain decoding: the baseline every drafter must reproduce)."""
-    with engine(make_target(heads), None, 1, 4) as e:
+    with engine(make_target(heads, bias), None, 1, 4) as e:
         return [o.token_ids for o in e.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)]
 
 
@@ -212,7 +218,7 @@ def _head_parallel_worker(rank: int, world: int, store: str, want) -> None:
         pass
     _init(rank, world, store)
     try:
-        with engine(make_target(48), SuffixAutomatonDrafter(), world, 4) as e:
+        with engine(make_target(48, bias=True), SuffixAutomatonDrafter(), world, 4) as e:
             outs = e.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
             assert [o.token_ids for o in outs] == want
         dist.barrier()
@@ -222,8 +228,9 @@ def _head_parallel_worker(rank: int, world: int, store: str, want) -> None:
 
 def test_helix_output_projection_is_head_parallel():
     """Each rank projects only the heads the exchange left it (its columns of o_proj) and one all-reduce of
-    ``[T, hidden]`` sums the parts: no all-gather of ``[T, H, kv_lora_rank]``; tokens equal to cp = 1."""
-    _spawn(_head_parallel_worker, 2, reference(48))
+    ``[T, hidden]`` sums the parts (o_proj's bias added once, after it): no all-gather of
+    ``[T, H, kv_lora_rank]``; tokens equal to cp = 1."""
+    _spawn(_head_parallel_worker, 2, reference(48, bias=True))
 
 
 # -- configuration errors -------------------------------------------------------------------------
