@@ -14,13 +14,57 @@ the CuTe kernel (``cute_mla``) implements is testable on a CPU against ``torch_r
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+@dataclass(frozen=True, slots=True)
+class MLAPlan:
+    """Device metadata of one generation phase of a paged MLA kernel (``triton_mla``, ``cute_mla``), built once per step.
+
+    Attributes:
+        page_table: physical pages, zero-padded. ``[num_seqs, max_pages]`` int32
+        kv_lens: ``[num_seqs]`` int32
+        q_start: first query row of each request in the phase. ``[num_seqs]`` int32
+        q_lens: ``[num_seqs]`` int32
+        num_seqs, num_tokens, max_q_len: host copies for the launch.
+        max_kv_len: most keys one request reads here (under Helix: positions this rank owns).
+        tokens_per_block: page size.
+        num_sms: SMs of the device (a backend's own value off CUDA).
+        shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard` (page tables
+            hold its pages only, ``kv_lens`` stay global); ``None``: unsharded.
+    """
+
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    q_start: torch.Tensor
+    q_lens: torch.Tensor
+    num_seqs: int
+    num_tokens: int
+    max_q_len: int
+    max_kv_len: int
+    tokens_per_block: int
+    num_sms: int
+    shard: Any = None
+
+
+def sm_count(device: torch.device, off_cuda: int) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (read once per device), or ``off_cuda`` elsewhere."""
+    if device.type != "cuda":
+        return off_cuda
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def padded_page_tables(name: str, q_lens, kv_lens, keys, page_tables, tokens_per_block: int,

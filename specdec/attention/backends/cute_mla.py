@@ -59,13 +59,13 @@ memory instead of recomputing S in both warpgroups; a persistent grid; Helix pag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
-from specdec.attention.mla_pack import LOG2E, choose_splits, merge_partials, padded_page_tables, row_blocks
+from specdec.attention.mla_pack import (LOG2E, MLAPlan, choose_splits, merge_partials, padded_page_tables, row_blocks,
+                                       sm_count)
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 
 TOKENS_PER_BLOCK = (16, 32, 64, 128)
@@ -115,20 +115,7 @@ def _import_kernel():
 _kernel, IMPORT_ERROR = _import_kernel()
 
 
-@dataclass(frozen=True, slots=True)
-class CuteMLAPlan:
-    """Device metadata of one generation phase (built once per step)."""
-
-    page_table: torch.Tensor  # [num_seqs, max_pages] int32
-    kv_lens: torch.Tensor  # [num_seqs] int32
-    q_start: torch.Tensor  # [num_seqs] int32
-    q_lens: torch.Tensor  # [num_seqs] int32
-    num_seqs: int
-    num_tokens: int
-    max_q_len: int
-    max_kv_len: int
-    tokens_per_block: int
-    num_sms: int
+CuteMLAPlan = MLAPlan  # the plan both paged MLA backends build (specdec.attention.mla_pack)
 
 
 class CuteMLABackend(AttentionBackend):
@@ -139,7 +126,6 @@ class CuteMLABackend(AttentionBackend):
     def __init__(self, num_splits: int | None = None):
         self.num_splits = num_splits  # None: the makespan model (mla_pack.choose_splits)
         self._compiled: dict[tuple, Any] = {}
-        self._sms: dict[int, int] = {}
 
     # ------------------------------------------------------------------ supports / cost
 
@@ -191,13 +177,9 @@ class CuteMLABackend(AttentionBackend):
 
     # ------------------------------------------------------------------ plan / run
 
-    def _num_sms(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 132
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._sms:
-            self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return self._sms[index]
+    @staticmethod
+    def _num_sms(device: torch.device) -> int:
+        return sm_count(device, off_cuda=132)  # an H200's, for plans made on the CPU (tests)
 
     def plan(self, batch: PhaseBatch) -> CuteMLAPlan:
         """Upload the phase's page tables and lengths (unsharded only)."""

@@ -68,7 +68,6 @@ fp32 queries (interpreter tests) use IEEE fp32 dots.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -76,7 +75,7 @@ import triton.language as tl
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.backends.triton_interp import interpreter_refusal, is_interpreted
-from specdec.attention.mla_pack import padded_page_tables
+from specdec.attention.mla_pack import MLAPlan, padded_page_tables, sm_count
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.errors import ConfigError
 from specdec.parallel.helix import exchange_heads, gather_heads
@@ -412,34 +411,7 @@ def choose_splits(num_seqs: int, row_blocks: int, max_kv_len: int, slots: int, *
     return best
 
 
-@dataclass(frozen=True, slots=True)
-class TritonMLAPlan:
-    """Device metadata of one generation phase, built once per step.
-
-    Attributes:
-        page_table: physical pages, zero-padded. ``[num_seqs, max_pages]`` int32
-        kv_lens: ``[num_seqs]`` int32
-        q_start: first query row of each request in the phase. ``[num_seqs]`` int32
-        q_lens: ``[num_seqs]`` int32
-        num_seqs, num_tokens, max_q_len: host copies for the launch.
-        max_kv_len: most keys one request reads here (under Helix: positions this rank owns).
-        tokens_per_block: page size.
-        num_sms: SMs of the device (1 on the interpreter).
-        shard: under Helix, this rank's :class:`~specdec.parallel.helix.HelixShard` (page tables
-            hold its pages only, ``kv_lens`` stay global); ``None``: unsharded.
-    """
-
-    page_table: torch.Tensor
-    kv_lens: torch.Tensor
-    q_start: torch.Tensor
-    q_lens: torch.Tensor
-    num_seqs: int
-    num_tokens: int
-    max_q_len: int
-    max_kv_len: int
-    tokens_per_block: int
-    num_sms: int
-    shard: Any = None
+TritonMLAPlan = MLAPlan  # the plan both paged MLA backends build (specdec.attention.mla_pack)
 
 
 class TritonMLABackend(AttentionBackend):
@@ -449,15 +421,10 @@ class TritonMLABackend(AttentionBackend):
 
     def __init__(self, config: TritonMLAConfig | None = None):
         self.config = config or TritonMLAConfig()
-        self._sms: dict[int, int] = {}
 
-    def _num_sms(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 1  # the interpreter runs one program at a time
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._sms:
-            self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return self._sms[index]
+    @staticmethod
+    def _num_sms(device: torch.device) -> int:
+        return sm_count(device, off_cuda=1)  # the interpreter runs one program at a time
 
     # ------------------------------------------------------------------ supports / cost
 
