@@ -97,7 +97,7 @@ class OverlapExecutor(PlainExecutor):
         # token_starts keep indexing the launched step's tokens (its hidden rows); verified rows are the kept ones
         return StepPlan(generation=seqs, budgets=[0] * n, drafts=[plan.drafts[i] for i in keep], fed=[1] * n,
                         token_starts=[plan.token_starts[i] for i in keep], row_starts=list(range(n)),
-                        inputs=plan.inputs, result=result, ahead=True)
+                        inputs=plan.inputs, result=result)
 
     def launched(self, plan: StepPlan) -> None:
         """Launch the decode step after ``plan`` now, where nothing but ``plan``'s tokens could change it."""

@@ -127,8 +127,6 @@ class StepPlan:
         inputs: the runner's packed input (tokens, positions, slots, page tables, verified rows,
             sampled rows); ``None`` until packed.
         result: the forward's result once launched (:meth:`ModelRunner.launch`).
-        ahead: a decode step launched before the previous step's tokens reached the host
-            (:class:`specdec.executor.OverlapExecutor`); its input tokens live on the device.
     """
 
     context: list[Sequence] = field(default_factory=list)
@@ -141,7 +139,6 @@ class StepPlan:
     row_starts: list[int] = field(default_factory=list)
     inputs: StepInput | None = None
     result: StepResult | None = None
-    ahead: bool = False
 
     @property
     def requests(self) -> list[Sequence]:
@@ -285,8 +282,7 @@ class Scheduler:
                 sampling.add(i, seq.params, request_key(seq.seed), len(seq.tokens) + 1, None)
         return StepPlan(generation=list(seqs), budgets=[0] * n, drafts=[EMPTY_DRAFT] * n, fed=[1] * n,
                         token_starts=list(range(n)), row_starts=list(range(n)),
-                        inputs=StepInput([0] * n, positions, slots, [], gen, list(range(n)), sampling or None),
-                        ahead=True)
+                        inputs=StepInput([0] * n, positions, slots, [], gen, list(range(n)), sampling or None))
 
     def commit(self, seq: Sequence, ahead: bool = False) -> None:
         """After verification: the cache keeps every token of ``seq`` but its last (the next
