@@ -23,7 +23,9 @@ same state:
   difference to ``old`` is what per-shape set-up (attention plans) costs;
 - ``eager``: ``BlockDrafter.propose`` with ``cuda_graphs=False`` (on cuda its
   shapes padded into buckets);
-- ``graph``: ``BlockDrafter.propose`` with CUDA graphs (cuda only).
+- ``graph``: ``BlockDrafter.propose`` with CUDA graphs (cuda only);
+- ``compiled`` / ``graph+compiled``: the same with ``torch_compile=True`` (the pass
+  compiled by inductor; its compiles fall in the warm-up calls).
 
 ``--engine`` (default on cuda) adds whole engine runs: ``SpecEngine`` over
 the random target with each drafter, 32 prompts of ~400 random tokens, 64 new
@@ -146,15 +148,17 @@ def paths_for(b: Bench) -> dict:
         paths["eager"] = d.propose
         return paths
 
-    def run(graphs: bool):
+    def run(graphs: bool, compiled: bool = False):
         def f(r, k):
-            d.cuda_graphs = graphs
+            d.cuda_graphs, d.torch_compile = graphs, compiled
             return d.propose(r, k)
         return f
 
     paths["eager"] = run(False)
+    paths["compiled"] = run(False, True)
     if cuda:
         paths["graph"] = run(True)
+        paths["graph+compiled"] = run(True, True)
     return paths
 
 
@@ -163,6 +167,7 @@ def measure(b: Bench, calls: int, warmup: int) -> dict:
     paths, dev = paths_for(b), b.target.device
     times = {p: [] for p in paths}
     equal = {p: 0 for p in paths}
+    same_as_eager = {p: 0 for p in paths}
     grow = []
     k = b.d.config.draft_width
     for step in range(warmup + calls):
@@ -179,8 +184,10 @@ def measure(b: Bench, calls: int, warmup: int) -> dict:
             grow.append(g)
             for p in paths:
                 equal[p] += out[p] == out["old"]
+                same_as_eager[p] += [x.token_ids for x in out[p]] == [x.token_ids for x in out["eager"]]
     res = {p: dict(median_ms=1e3 * statistics.median(t), p10_ms=1e3 * _q(t, 0.1), p90_ms=1e3 * _q(t, 0.9),
-                   equal_to_old=equal[p], calls=len(t)) for p, t in times.items()}
+                   equal_to_old=equal[p], tokens_equal_to_eager=same_as_eager[p], calls=len(t))
+           for p, t in times.items()}
     res["on_contexts_ms"] = 1e3 * statistics.median(grow)
     res["ctx_len_mean"] = statistics.mean(b.d._ctx_len[r] for r in b.reqs)
     stats = dict(getattr(b.d, "stats", {}))
@@ -231,7 +238,7 @@ def engine_runs(target, name: str, n: int, ctx: int, new_tokens: int,
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rows, outs = [], {}
     for path in paths:
-        d = BlockDrafter.from_pretrained(name, cuda_graphs=path != "new-eager")
+        d = BlockDrafter.from_pretrained(name, cuda_graphs=path != "new-eager", torch_compile=path == "new+compiled")
         if path == "old":
             d.propose = lambda r, k, d=d: old_propose(d, r, k)
         pages = n * (-(-(ctx + ctx // 8 + new_tokens + 16) // 16) + 1)
@@ -274,7 +281,8 @@ def main() -> None:
     ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=None,
                     help="whole engine runs, old vs new propose (default: on for cuda)")
     ap.add_argument("--engine-batch", type=int, default=32)
-    ap.add_argument("--engine-paths", default="old,new-eager,new", help="old, new (graphs), new-eager (cuda_graphs=False)")
+    ap.add_argument("--engine-paths", default="old,new-eager,new,new+compiled",
+                    help="old, new (graphs), new-eager (cuda_graphs=False), new+compiled (graphs, torch_compile=True)")
     ap.add_argument("--engine-new-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.quick:
@@ -300,14 +308,16 @@ def main() -> None:
     head = run_header(args.device, str(dtype), f"ctx ~{args.ctx}", f"page {args.tokens_per_block}",
                       f"median of {args.calls} calls after {args.warmup} warm-up")
     md = [head, "", "| drafter | N | mean ctx | path | ms / propose (median) | p10 / p90 | vs old | drafts == old "
-          "| on_contexts ms |", "|---|---|---|---|---|---|---|---|---|"]
+          "| tokens == eager | on_contexts ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        for p in ("old", "old-again", "eager", "graph"):
+        for p in ("old", "old-again", "eager", "compiled", "graph", "graph+compiled"):
             if p in r:
                 x = r[p]
                 md.append(f"| {r['drafter']} | {r['batch']} | {r['ctx_len_mean']:.0f} | {p} | {x['median_ms']:.3f} | "
                           f"{x['p10_ms']:.3f} / {x['p90_ms']:.3f} | {r['old']['median_ms'] / x['median_ms']:.1f}x | "
-                          f"{x['equal_to_old']}/{x['calls']} | {r['on_contexts_ms']:.3f} |")
+                          f"{x['equal_to_old']}/{x['calls']} | {x['tokens_equal_to_eager']}/{x['calls']} | "
+                          f"{r['on_contexts_ms']:.3f} |")
+    md += ["", "DSpark's drafts differ from `old` by design: the old path has no Markov head."]
     engine = []
     if args.engine if args.engine is not None else args.device.startswith("cuda"):
         for name in args.drafters.split(","):

@@ -107,11 +107,13 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
         elif variant in ENGINE_VARIANTS:
             engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
+        elif variant in DRAFTER_VARIANTS:
+            kwargs.update(DRAFTER_VARIANTS[variant])
         else:
             raise SystemExit(f"unknown drafter variant {variant!r} in {drafter_name!r} "
-                             f"(corpus, {', '.join(ENGINE_VARIANTS)})")
-    engine = SpecEngine(target, make_drafter(kind, **kwargs), max_draft_tokens=args.k,
-                        max_num_seqs=max(batch_size, 1), **engine_kw)
+                             f"(corpus, {', '.join([*ENGINE_VARIANTS, *DRAFTER_VARIANTS])})")
+    drafter = make_drafter(kind, **kwargs)
+    engine = SpecEngine(target, drafter, max_draft_tokens=args.k, max_num_seqs=max(batch_size, 1), **engine_kw)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # Untimed: every graph bucket these prompts can need, then the first batch in full (compiles kernels).
     t0 = time.perf_counter()
@@ -125,6 +127,12 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         engine.runner.stats[k] = 0
     engine.runner.stats["eager_reasons"].clear()
     engine.runner.stats["backends"].clear()
+    dstats = getattr(drafter, "stats", None)  # a block drafter's propose graphs: what the timed run did
+    compile_s = dstats.get("compile_s", 0.0) if dstats else 0.0
+    if dstats:
+        for k in ("graph_proposes", "eager_proposes", "graphs_captured", "capture_s"):
+            dstats[k] = 0
+        dstats["eager_reasons"].clear()
     outs, t_total, batch_s = [], 0.0, []
     for i in range(0, len(prompt_ids), batch_size):
         _sync(args.device)
@@ -159,6 +167,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
                             for o in outs],
             "batch_s": batch_s,
             "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
+            **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
+                                  "compile_s_untimed": compile_s}} if dstats else {}),
             **({"cprofile": profile} if profile else {})}
 
 
@@ -172,6 +182,8 @@ def _tps(r: dict) -> float:
 ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False},
                    "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False},
                    "conf": {"draft_length": "confidence"}}
+# drafter settings a system name may add ("dflash+compile"); ratios are to plain null
+DRAFTER_VARIANTS = {"compile": {"torch_compile": True}}
 
 
 def _null_of(label: str, labels=()) -> str:
@@ -224,7 +236,8 @@ def main() -> None:
                     help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, "
                          "dspark; '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
-                         "to null+nopg)")
+                         "to null+nopg); '+conf' cuts drafts by confidence; '+compile' runs a block drafter's "
+                         "propose through torch.compile (e.g. dflash+compile)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,
@@ -349,6 +362,12 @@ def main() -> None:
                 if dl.get("steps"):
                     text.append(f"- {name}: the confidence cut kept {dl['kept']:,} of {dl['drafted']:,} drafted tokens "
                                 f"over {dl['steps']:,} steps")
+                ds = r.get("drafter_stats")
+                if ds:
+                    text.append(f"- {name}: propose graphs {ds['graph_proposes']:,}/"
+                                f"{ds['graph_proposes'] + ds['eager_proposes']:,} (captured in the timed run: "
+                                f"{ds['graphs_captured']}, {ds['capture_s']:.2f} s); compile before it "
+                                f"{ds['compile_s_untimed']:.1f} s")
             text += category_table(res, b)
             for name, r in res.items():
                 if r.get("cprofile"):

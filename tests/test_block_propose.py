@@ -25,6 +25,7 @@ from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, RopeTab
                                     rope_cos_sin)
 from specdec.drafters.dflash import CTX_BUCKET, MAX_PADDED_REQUESTS, DFlashDrafter, DSparkDrafter, propose_buckets
 from specdec.drafters.dspark_mla import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSparkDrafter
+from specdec.errors import ConfigError
 from specdec.kvcache import KVCacheManager, KVPool
 from specdec.kvcache.draft_kv import DraftKV
 
@@ -145,10 +146,16 @@ def make_drafter(kind: str, seed: int = 1, cuda_graphs: bool = True):
                                                        qk_rope_head_dim=8, v_head_dim=8, **common))
         return MLADSparkDrafter(init_weights(net, seed=seed, std=0.2), cuda_graphs=cuda_graphs)
     shift = 0 if kind == "dflash" else 1
+    heads = dict(markov_rank=4, confidence_head=True) if kind == "dspark_heads" else {}
     net = BlockDrafterNet(BlockDrafterConfig(shift_label=shift, num_heads=4, num_kv_heads=2, head_dim=8,
-                                             qk_norm=kind == "dspark", **common))
+                                             qk_norm=kind == "dspark", **heads, **common))
+    init_weights(net, seed=seed, std=0.2)
+    if heads:  # the Markov head starts as no bias: give it one; the confidence bias is not drawn by init_weights
+        with torch.no_grad():
+            net.markov.up.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(seed))
+            net.confidence.bias.fill_(0.1)
     cls = DFlashDrafter if shift == 0 else DSparkDrafter
-    return cls(init_weights(net, seed=seed, std=0.2), cuda_graphs=cuda_graphs)
+    return cls(net, cuda_graphs=cuda_graphs)
 
 
 class State:
@@ -359,10 +366,12 @@ def test_staged_context_writes_equal_immediate_writes(seed, kind, tpb, pad):
     staged_vs_immediate(seed, kind, tpb, pad)
 
 
-def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str = "cpu"):
-    """A random run of both drafters of :func:`_bound_pair` side by side; returns them."""
+def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str = "cpu", compiled: bool = False):
+    """A random run of both drafters of :func:`_bound_pair` side by side (the staged one through
+    ``torch.compile`` if ``compiled``); returns them."""
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     staged, plain = _bound_pair(kind, tpb, pad, device)
+    staged.torch_compile = compiled
     width = len(staged.target_layer_ids) * HIDDEN
     live, next_id = [], 0
     for _ in range(10):
@@ -411,6 +420,26 @@ def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str =
             torch.testing.assert_close(staged.kv.k(i)[staged.kv.slots(r, 0, n)], plain.kv.k(i)[plain.kv.slots(r, 0, n)],
                                        rtol=1e-5, atol=1e-5)
     return staged, plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dflash", "dspark_heads", "mla"])
+def test_compiled_propose_drafts_as_eager(kind):
+    """``torch_compile=True``: the whole propose pass (staged context writes, gathers, layers, the
+    Markov head's slot-by-slot decode, confidences) compiles into one graph, and drafts, confidences
+    and context K/V equal the eager drafter's, over a run whose batch and context sizes vary."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    staged, plain = staged_vs_immediate(3, kind, 4, pad=False, compiled=True)
+    assert staged.stats["compile_s"] > 0 and plain.stats["compile_s"] == 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 3  # sizes become dynamic: no compile per shape
+
+
+def test_torch_compile_is_a_bool():
+    with pytest.raises(ConfigError, match="torch_compile"):
+        make_drafter("dflash").__class__(make_drafter("dflash").net, torch_compile="yes")
 
 
 # --------------------------------------------------------------------------- GPU
@@ -469,6 +498,17 @@ class TestOnGPU:
         assert d.stats["graph_proposes"] == 7 and d.stats["eager_proposes"] == 7
         assert d.stats["graphs_captured"] == len(buckets) < 7  # buckets are reused
 
+    @pytest.mark.parametrize("kind", ["dflash", "dspark_heads", "mla"])
+    def test_compiled_graph_replays_draft_as_eager(self, kind):
+        """``torch_compile=True`` on CUDA: each bucket's graph captures the compiled pass (staged
+        writes included); drafts, confidences and the cache equal the eager drafter's (fp32)."""
+        tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+        try:
+            staged, _ = staged_vs_immediate(5, kind, 16, True, "cuda", compiled=True)
+            assert staged.stats["graph_proposes"] > 0 and staged.stats["compile_s"] > 0
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
     @pytest.mark.parametrize("kind", KINDS[:2])
     def test_engine_with_graph_proposes_is_lossless(self, tmp_path, kind):
         """The drafter's graphs beside the target's own graph steps: fp32 greedy output == the null drafter's."""
@@ -486,20 +526,21 @@ class TestOnGPU:
         prompts = [torch.randint(0, 127, (n,), generator=g).tolist() for n in (300, 5, 40, 130, 1, 77)]
         params = SamplingParams(max_new_tokens=40, ignore_eos=True)
         outs = {}
-        for name, graphs in (("null", None), ("eager", False), ("graph", True), ("precaptured", True)):
+        for name, graphs in (("null", None), ("eager", False), ("graph", True), ("precaptured", True),
+                             ("compiled", True)):
             d = None if graphs is None else (DFlashDrafter if kind == "dflash" else DSparkDrafter)(
-                init_weights(BlockDrafterNet(cfg), seed=4), cuda_graphs=graphs)
+                init_weights(BlockDrafterNet(cfg), seed=4), cuda_graphs=graphs, torch_compile=name == "compiled")
             engine = SpecEngine(target, d, max_draft_tokens=4, tokens_per_block=16)
-            if name == "precaptured":  # every propose bucket before the first step: none captured later
+            if name in ("precaptured", "compiled"):  # every propose bucket before the first step: none captured later
                 engine.capture_graphs(max_kv_len=400, progress=False)
                 before = d.stats["graphs_captured"]
                 assert before == len(propose_buckets(engine.config.max_num_seqs, 400))
             outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
             if graphs:
                 assert d.stats["graph_proposes"] > 0 and d.stats["eager_proposes"] == 0
-            if name == "precaptured":
+            if name in ("precaptured", "compiled"):
                 assert d.stats["graphs_captured"] == before
-        assert outs["graph"] == outs["eager"] == outs["null"] == outs["precaptured"]
+        assert outs["graph"] == outs["eager"] == outs["null"] == outs["precaptured"] == outs["compiled"]
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

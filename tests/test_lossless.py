@@ -78,15 +78,17 @@ def test_matches_transformers_greedy(smollm2, baseline):
 
 
 @pytest.mark.parametrize("drafter_cls,draft_length", [(DFlashDrafter, "fixed"), (DSparkDrafter, "confidence")])
-@pytest.mark.parametrize("batch_size", [1, 4, 8])
-def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, draft_length, batch_size, tmp_path):
+@pytest.mark.parametrize("batch_size,compiled", [(1, False), (4, False), (8, False), (4, True)])
+def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, draft_length, batch_size, compiled,
+                                             tmp_path):
     """The shipped SmolLM2 DFlash / DSpark checkpoints, sharing the target's KV pool; DSpark with its
-    drafts cut by confidence (a cost profile where each verified row costs a tenth of a step)."""
+    drafts cut by confidence (a cost profile where each verified row costs a tenth of a step); at
+    batch 4 also with the propose compiled (``torch_compile=True``)."""
     from specdec.draft_length import CostProfile
 
     CostProfile({(1, 1): 1.0, (1, 17): 2.6, (8, 8): 1.0, (8, 136): 13.8}, {}).save(tmp_path / "cost.json")
     prompts = _prompts()
-    drafter = drafter_cls()  # the shipped checkpoint for smollm2-135m
+    drafter = drafter_cls(torch_compile=compiled)  # the shipped checkpoint for smollm2-135m
     engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16, draft_length=draft_length,
                         cost_profile=str(tmp_path / "cost.json"))
     assert engine.kv_layout["shared"]
@@ -96,6 +98,7 @@ def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, dra
     for i, (base, spec) in enumerate(zip(baseline, outs)):
         assert spec.token_ids == base.token_ids, f"prompt {i} diverged ({drafter_cls.__name__}, batch {batch_size})"
     assert sum(o.stats.accepted for o in outs) > 0
+    assert (drafter.stats["compile_s"] > 0) == compiled
     if draft_length == "confidence":
         s = engine.draft_length_stats
         assert 0 < s["kept"] < s["drafted"]  # the rule cut some drafts

@@ -191,6 +191,9 @@ def _cached_product(net, name: str, a: torch.Tensor, b: torch.Tensor, dtype: tor
     either input changes. Not cached while autograd records (a training step)."""
     if torch.is_grad_enabled():
         return a.to(dtype) @ b.to(dtype)
+    if torch.compiler.is_compiling():  # a compiled propose reads the cache as its eager run left it
+        cached = net.__dict__.get(name)
+        return cached[1] if cached is not None else a.to(dtype) @ b.to(dtype)
     key = (a.data_ptr(), a._version, a.shape, b.data_ptr(), b._version, b.shape, b.stride(), dtype, b.device)
     cached = net.__dict__.get(name)
     if cached is None or cached[0] != key:
@@ -204,6 +207,9 @@ def _stacked(module: nn.Module, name: str, weights: list[torch.Tensor]) -> torch
     cached on ``module`` until one of them changes; made anew while autograd records."""
     if torch.is_grad_enabled():
         return torch.cat(weights, 0)
+    if torch.compiler.is_compiling():  # as in _cached_product
+        cached = module.__dict__.get(name)
+        return cached[1] if cached is not None else torch.cat(weights, 0)
     key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
     cached = module.__dict__.get(name)
     if cached is None or cached[0] != key:

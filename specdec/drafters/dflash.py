@@ -81,6 +81,14 @@ class BlockDrafter(Drafter):
         cuda_graphs: on CUDA, replay a captured graph per bucket of (requests, context
             keys) instead of launching the network eagerly; an attribute, may be changed
             between calls. ``stats`` counts graph and eager proposes (and why eager).
+        torch_compile: run the propose's network pass (:meth:`_draft`: staged context writes,
+            gathers, layers, drafting head) through ``torch.compile`` (inductor; shapes that vary
+            between calls become dynamic at the first recompile; one graph), so that its elementwise work is fused into few kernels; on CUDA the
+            compiled pass is what each bucket's graph captures. It is compiled at the first
+            propose, or by :meth:`capture_graphs` before serving (tens of seconds). The network's
+            weights are read as that first run finds them: change them and build a new drafter.
+            Not under Helix (its proposes exchange partials between ranks: they run eagerly).
+            ``stats["compile_s"]`` is the time the first compiled run took.
     """
 
     reads_helix_sharded_ctx_pages = False
@@ -90,7 +98,8 @@ class BlockDrafter(Drafter):
     #: Shipped checkpoint used when no network is given.
     default_checkpoint: str | None = None
 
-    def __init__(self, net: BlockDrafterNet | str | Path | None = None, cuda_graphs: bool = True):
+    def __init__(self, net: BlockDrafterNet | str | Path | None = None, cuda_graphs: bool = True,
+                 torch_compile: bool = False):
         if net is None:
             if self.default_checkpoint is None:
                 raise ConfigError(f"{type(self).__name__} needs a network or a checkpoint path (net=...)")
@@ -111,13 +120,15 @@ class BlockDrafter(Drafter):
         self.kv = None
         self._embed = self._lm_head = None
         self.cuda_graphs = cuda_graphs
+        self._graphs: dict[tuple[int, int, bool], _ProposeGraph] = {}  # (requests, keys, compiled)
+        self._compiled = None  # the compiled _draft, made on first use
+        self.torch_compile = torch_compile
         #: pad shapes into buckets (set at bind: True on CUDA); tests may set it on the CPU
         self.pad_shapes = False
         self.stats = {"graph_proposes": 0, "eager_proposes": 0, "graphs_captured": 0, "capture_s": 0.0,
-                      "eager_reasons": Counter()}
+                      "compile_s": 0.0, "eager_reasons": Counter()}
         self._rope: RopeTable | None = None
         self._iota: torch.Tensor | None = None
-        self._graphs: dict[tuple[int, int], _ProposeGraph] = {}
         self._mempool = None
         #: context positions written inside the next propose: req_id -> (start, stage row, slots)
         self._pending: dict[str, tuple[int, int, list[int]]] = {}
@@ -125,8 +136,10 @@ class BlockDrafter(Drafter):
         self._defer = 0  # pending positions per request a propose writes (0: every write immediate)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True) -> "BlockDrafter":
-        """Load a shipped drafter by name (e.g. ``"smollm2-135m-dflash"``) or a checkpoint directory.
+    def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True,
+                        torch_compile: bool = False) -> "BlockDrafter":
+        """Load a shipped drafter by name (e.g. ``"smollm2-135m-dflash"``) or a checkpoint directory
+        (``cuda_graphs``, ``torch_compile``: as in the constructor).
 
         Raises:
             CheckpointError: neither a shipped name nor a checkpoint directory.
@@ -138,9 +151,21 @@ class BlockDrafter(Drafter):
             shipped = sorted(p.name for p in SHIPPED_DIR.iterdir()) if SHIPPED_DIR.is_dir() else []
             raise CheckpointError(f"drafter must be one of {shipped} or a checkpoint directory, got {str(name_or_path)!r}")
         net = cls.net_class.load(path)
-        return cls(net, cuda_graphs=cuda_graphs)
+        return cls(net, cuda_graphs=cuda_graphs, torch_compile=torch_compile)
 
     expected_shift: int | None = None
+
+    @property
+    def torch_compile(self) -> bool:
+        """Whether proposes run the compiled pass (see the class doc); may be changed between
+        calls (graphs are kept per bucket and setting)."""
+        return self._torch_compile
+
+    @torch_compile.setter
+    def torch_compile(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"torch_compile must be True or False, got {value!r}")
+        self._torch_compile = value
 
     # -- hooks -------------------------------------------------------------------
     def kv_layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -290,7 +315,7 @@ class BlockDrafter(Drafter):
         if why:
             self.stats["eager_proposes"] += 1
             self.stats["eager_reasons"][why] += 1
-            tokens, conf = self._draft(self._to_device(packed), cols, width)
+            tokens, conf = self._run_draft(self._to_device(packed), cols, width)
         else:
             self.stats["graph_proposes"] += 1
             tokens, conf = self._replay(packed, cols)
@@ -310,9 +335,10 @@ class BlockDrafter(Drafter):
         top_cols = max(cols for _, cols in buckets)
         if top_cols + self.config.block_size > self._rope.length:  # grown before capturing: it drops graphs
             self._make_tables(top_cols + self.config.block_size)
-        todo = [key for key in buckets if key not in self._graphs]
-        for rows, cols in todo:
-            self._capture((rows, cols), self._pack([], [], rows, cols))
+        todo = [(rows, cols, self.torch_compile) for rows, cols in buckets
+                if (rows, cols, self.torch_compile) not in self._graphs]
+        for key in todo:
+            self._capture(key, self._pack([], [], key[0], key[1]))
         return len(todo)
 
     def _why_eager(self, n: int) -> str:
@@ -380,19 +406,21 @@ class BlockDrafter(Drafter):
         self.__dict__["_host_stage"] = (stage, done)
         return out
 
-    def _draft(self, packed: torch.Tensor, cols: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft(self, packed: torch.Tensor, cols: int | None, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafted tokens ``[rows, width]`` and, with a confidence head, their acceptance
         probabilities ``[rows, width]`` (else ``None``) from packed inputs on the device; no host
         work, no synchronisation (this is what a graph captures).
 
         Args:
             packed: :meth:`_pack`'s array on the device, ``[rows, 2 * B + 1 + 3 * D + pages]``.
-            cols: context keys to read per request (``<= pages * tokens_per_block``).
+            cols: context keys to read per request (``<= pages * tokens_per_block``; ``None``: all
+                of the packed pages' keys).
             width: draft slots to decode (``<= draft_width``).
         """
         c, tpb, B, D = self.config, self.kv.tokens_per_block, self.config.block_size, self._defer
         ids, pos, lens = packed[:, :B], packed[:, B:2 * B], packed[:, 2 * B:2 * B + 1]
         pages = packed[:, 2 * B + 1 + 3 * D:]
+        cols = pages.shape[1] * tpb if cols is None else cols
         if D:  # the context positions staged since the last propose, before anything reads them
             w = packed[:, 2 * B + 1:2 * B + 1 + 3 * D]
             self._write_context(self._ctx_stage[w[:, :D].flatten()], w[:, 2 * D:].flatten(), w[:, D:2 * D].flatten())
@@ -405,9 +433,34 @@ class BlockDrafter(Drafter):
         return draft_from_hidden(self.net, h[:, first:first + width], ids[:, 0], self._lm_head, self._embed,
                                  with_confidence=True)
 
+    def _run_draft(self, packed: torch.Tensor, cols: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_draft`, compiled when ``torch_compile`` asks for it (see the class doc).
+
+        The first compiled call runs the pass eagerly once (the network's stacked weights are
+        cached then, so the compiled graph reads them instead of stacking them every time; its
+        context writes are idempotent), then compiles and runs it. Inside a graph capture the
+        compiled pass has already run on the warm-up, so nothing compiles during a capture.
+        """
+        if not self.torch_compile or getattr(self, "_shard", None) is not None:
+            return self._draft(packed, cols, width)
+        # One shape family for every call: all keys of the packed pages (those past a context are
+        # masked out anyway) and every slot (sliced after), so that only the sizes vary.
+        c = self.config
+        for dim in (0, 1):  # requests and pages: compiled for any size from the start
+            torch._dynamo.maybe_mark_dynamic(packed, dim)
+        if self._compiled is None:
+            t0 = time.perf_counter()
+            self._draft(packed, None, c.draft_width)
+            self._compiled = torch.compile(self._draft)
+            tokens, conf = self._compiled(packed, None, c.draft_width)
+            self.stats["compile_s"] += time.perf_counter() - t0
+        else:
+            tokens, conf = self._compiled(packed, None, c.draft_width)
+        return tokens[:, :width], None if conf is None else conf[:, :width]
+
     def _replay(self, packed: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafted tokens ``[rows, draft_width]`` (and confidences) of the bucket's graph (captured on first use)."""
-        key = (packed.shape[0], cols)
+        key = (packed.shape[0], cols, self.torch_compile)
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(key, packed)
@@ -417,7 +470,7 @@ class BlockDrafter(Drafter):
         g.graph.replay()
         return g.tokens, g.confidence
 
-    def _capture(self, key: tuple[int, int], packed: torch.Tensor) -> _ProposeGraph:
+    def _capture(self, key: tuple[int, int, bool], packed: torch.Tensor) -> _ProposeGraph:
         """Capture the bucket's graph; its warm-up (kernels compiled, plans made) runs outside it."""
         t0 = time.perf_counter()
         dev, cols, width = self._embed.device, key[1], self.config.draft_width
@@ -425,7 +478,7 @@ class BlockDrafter(Drafter):
         g.dev.copy_(g.host, non_blocking=True)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
-        g.graph, (g.tokens, g.confidence) = capture_graph(lambda: self._draft(g.dev, cols, width), dev,
+        g.graph, (g.tokens, g.confidence) = capture_graph(lambda: self._run_draft(g.dev, cols, width), dev,
                                                           self._mempool)
         self._graphs[key] = g
         self.stats["graphs_captured"] += 1
