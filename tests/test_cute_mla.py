@@ -120,6 +120,7 @@ def reference_lse(batch, q, cache, scale, kv_scale=1.0):
     out = []
     start = 0
     tpb = batch.tokens_per_block
+    cache = cache.float()  # exact for E4M3 (and no float8 indexing needed)
     for q_len, kv_len, table in zip(batch.q_lens, batch.kv_lens, batch.page_tables):
         slots = [table[p // tpb] * tpb + p % tpb for p in range(kv_len)]
         k = cache[slots, 0].float() * kv_scale  # [kv, D]
@@ -427,7 +428,8 @@ def test_the_helix_decomposition_equals_the_per_rank_reference(h, q_lens, extra,
         lses.append(lse)
     got, got_lse = combine_partials(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(got, reference(batch, q, cache, scale, lat, kv_scale), **FP8_TOL)
-    torch.testing.assert_close(got_lse.reshape(-1), reference_lse(batch, q, cache, scale, kv_scale).reshape(-1), **FP8_TOL)
+    want_lse = reference_lse(batch, q, cache, scale, kv_scale).reshape(-1)
+    torch.testing.assert_close(got_lse.reshape(-1), want_lse, **FP8_TOL)
 
 
 def test_helix_plans_hold_the_ranks_pages_and_split_its_keys():
@@ -486,8 +488,8 @@ def test_register_layout_assumptions_hold():
     assert done.stdout.strip().startswith("0 "), done.stdout[-3000:]
 
 
-COMPILE_CASES = [(tpb, False, False) for tpb in (16, 32, 64, 128)] + [(tpb, True, False) for tpb in (16, 32, 64, 128)] + [
-    (64, False, True), (16, True, True), (128, True, True)]
+COMPILE_CASES = [(tpb, fp8, False) for fp8 in (False, True) for tpb in (16, 32, 64, 128)] + [
+    (64, False, True), (16, True, True), (128, True, True)]  # (page size, FP8 cache, Helix)
 
 
 @needs_cutlass
@@ -564,24 +566,61 @@ def test_the_backend_compiles_against_real_tensors_and_stops_only_at_the_launch(
 GPU_KV_LENS = (1000, 333, 2055)
 
 
-def gpu_case(h, q_lens, kv_lens, *, tpb, num_splits=None, seed=0, check_lse=True):
+def gpu_case(h, q_lens, kv_lens, *, tpb, num_splits=None, seed=0, check_lse=True, fp8=False):
+    """The kernel against torch_ref (fp32) on one phase, bf16 queries, a bf16 or (``fp8``) E4M3 cache."""
     lat, rope = 512, 64
-    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, dtype=torch.bfloat16, device="cuda", seed=seed)
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
+    kv_scale = 1.0
+    if fp8:
+        cache, kv_scale = to_fp8(cache)
+    cache = cache.to("cuda", FP8 if fp8 else torch.bfloat16)
+    batch = dataclasses.replace(batch, device=torch.device("cuda"))
     q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to("cuda", torch.bfloat16)
     scale = (128 + 64) ** -0.5
     backend = CuteMLABackend(num_splits=num_splits)
     plan = backend.plan(batch)
-    out, lse = backend.attend(plan, q, cache, scale, lat, return_lse=True)
-    want = reference(batch, q, cache, scale, lat)
+    out, lse = backend.attend(plan, q, cache, scale, lat, kv_scale=kv_scale, return_lse=True)
+    want = reference(batch, q, cache, scale, lat, kv_scale)
     assert out.shape == (sum(q_lens), h, lat) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), want, **BF16_TOL)
     if check_lse:
-        want_lse = reference_lse(batch, q.cpu(), cache.cpu(), scale).view(-1, h).to("cuda")
-        torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=2e-2)
-    assert torch.equal(backend.run(plan, q, cache, None, scale, lat), out)  # run == attend, deterministic
+        want_lse = reference_lse(batch, q.cpu(), cache.cpu(), scale, kv_scale).view(-1, h).to("cuda")
+        torch.testing.assert_close(lse, want_lse, **BF16_TOL)
+    assert torch.equal(backend.run(plan, q, cache, None, scale, lat, kv_scale=kv_scale), out)  # deterministic
     return backend
+
+
+def gpu_helix_case(h, q_lens, kv_lens, cp, *, tpb, num_splits=None, seed=0, fp8=False):
+    """Helix shards simulated in one process: each rank's kernel partial and LSE (its pages only, the
+    rest of its cache NaN) against ``shard_attention`` on the same shard; the partials combined by LSE
+    against torch_ref over the whole cache."""
+    lat, rope = 512, 64
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
+    kv_scale = 1.0
+    if fp8:
+        cache, kv_scale = to_fp8(cache)
+    cache = cache.to(FP8 if fp8 else torch.bfloat16)
+    q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    scale = (128 + 64) ** -0.5
+    backend = CuteMLABackend(num_splits=num_splits)
+    layout, outs, lses = HelixLayout(cp, tpb), [], []
+    for rank in range(cp):
+        local_batch, local = shard_pool(batch, cache, layout, rank)
+        plan = backend.plan(dataclasses.replace(local_batch, device=torch.device("cuda")))
+        part, part_lse = backend.attend(plan, q.cuda(), local.cuda(), scale, lat, kv_scale=kv_scale,
+                                        return_lse=True, out_dtype=torch.float32)
+        want, want_lse = shard_attention(plan_shard(q_lens, kv_lens, local_batch.page_tables, layout, rank),
+                                         q.float(), local, scale, lat, kv_scale)
+        what = f"rank {rank} of {cp}"
+        assert torch.equal(torch.isneginf(part_lse).cpu(), torch.isneginf(want_lse)), what
+        torch.testing.assert_close(part.cpu(), want, **BF16_TOL, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(part_lse.cpu(), want_lse, **BF16_TOL, msg=lambda m: f"{what}: {m}")
+        outs.append(part.cpu())
+        lses.append(part_lse.cpu())
+    got, _ = combine_partials(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(got, reference(batch, q, cache, scale, lat, kv_scale), **BF16_TOL)
 
 
 @pytest.mark.gpu
@@ -620,3 +659,33 @@ class TestGPU:
         gpu_case(128, (1,), (32768,), tpb=64, check_lse=False)
         kv = torch.randint(8, 3000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
         gpu_case(16, (4,) * 64, tuple(kv), tpb=32, check_lse=False)
+
+    # ---- FP8 E4M3 cache: the gate for cute_mla.FP8_VALIDATED_SM
+
+    @pytest.mark.parametrize("tpb", [16, 32, 64, 128])
+    @pytest.mark.parametrize("q_len", [1, 2, 4, 8])
+    @pytest.mark.parametrize("h", [16, 64, 96, 128])
+    def test_fp8_grid_vs_reference(self, h, q_len, tpb):
+        gpu_case(h, (q_len, max(1, q_len - 1), q_len), GPU_KV_LENS, tpb=tpb, seed=h + q_len + tpb, fp8=True)
+
+    @pytest.mark.parametrize("splits", [1, 2, 7, 33])
+    def test_fp8_forced_splits(self, splits):
+        gpu_case(96, (4, 1, 3), (4096, 17, 777), tpb=64, num_splits=splits, fp8=True)
+
+    def test_fp8_odd_heads_long_request_and_large_batch(self):
+        gpu_case(33, (3, 1, 8), (70, 5, 200), tpb=16, num_splits=2, fp8=True)
+        gpu_case(128, (1,), (32768,), tpb=128, check_lse=False, fp8=True)
+        kv = torch.randint(8, 3000, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+        gpu_case(16, (4,) * 64, tuple(kv), tpb=32, check_lse=False, fp8=True)
+
+    # ---- Helix page tables: the gate for cute_mla.HELIX_VALIDATED_SM
+
+    @pytest.mark.parametrize("fp8", [False, True])
+    @pytest.mark.parametrize(("cp", "tpb"), [(2, 16), (4, 64), (8, 128), (3, 32)])
+    def test_helix_shards_vs_reference(self, cp, tpb, fp8):
+        """Requests shorter than a page (ranks that own none of them), verify rows straddling pages."""
+        gpu_helix_case(48, (4, 1, 2), (1000, 9, 2055), cp, tpb=tpb, fp8=fp8)
+
+    @pytest.mark.parametrize("splits", [1, 3, 17])
+    def test_helix_forced_splits(self, splits):
+        gpu_helix_case(96, (8, 1), (3000, 700), 4, tpb=64, num_splits=splits, fp8=True)

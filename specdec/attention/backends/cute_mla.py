@@ -1,11 +1,14 @@
 """CuTe DSL paged MLA decode / verify for Hopper (sm90): the ``cute_mla`` backend.
 
-Status: the kernel compiles for ``sm_90a`` (on a CPU too, ``CUTE_DSL_ARCH=sm_90a``) and its
-register-layout assumptions are checked at compile time (``tests/test_cute_mla.py``), but it
-has **not run on a GPU yet**: ``VALIDATED_SM`` is empty, so :meth:`CuteMLABackend.supports`
-refuses every shape ("not yet validated on SM90") and the selector never picks it. FP8 E4M3
-caches and Helix are refused too (not implemented here). Add 90 to ``VALIDATED_SM`` only after
-the GPU tests pass on an H100/H200::
+Status: the kernel compiles for ``sm_90a`` (on a CPU too, ``CUTE_DSL_ARCH=sm_90a``) for bf16 and
+FP8 E4M3 caches, with and without Helix page tables, with no spills reported by ptxas (168
+registers a thread at compile time, ``setmaxnreg`` 40 / 232 at run time; 222,208 bytes of shared
+memory for every page size and both dtypes), and its register-layout assumptions are checked at
+compile time (``tests/test_cute_mla.py``), but it has **not run on a GPU yet**: ``VALIDATED_SM``
+is empty, so :meth:`CuteMLABackend.supports` refuses every shape ("not yet validated on SM90") and
+the selector never picks it. FP8 caches and Helix have gates of their own on top of it
+(``FP8_VALIDATED_SM``, ``HELIX_VALIDATED_SM``: ``TestGPU::test_fp8_*``, ``TestGPU::test_helix_*``).
+Add 90 to each only after its GPU tests pass on an H100/H200::
 
     pip install nvidia-cutlass-dsl==4.8.1   # 4.8.1 is what was compiled against
     PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
@@ -51,10 +54,54 @@ through page tables, V = the first 512 values of each cached row, output ``[T, H
   exactly (torch ops; one split is the same merge). ``attend(..., return_lse=True)`` returns
   the natural-log LSE, as ``triton_mla`` does, for Helix-style combines.
 
-Not done yet (in order): GPU validation; an FP8 E4M3 path (wgmma has no bf16 x e4m3 form: an
-in-shared-memory e4m3 -> bf16 conversion stage by the producer warpgroup); a fused merge
-(and bf16 output written by the kernel when there is one split); P shared through shared
-memory instead of recomputing S in both warpgroups; a persistent grid; Helix page tables.
+FP8 E4M3 cache (``fp8_stages > 0``)
+-----------------------------------
+wgmma has no bf16 x e4m3 form, so the tiles are converted in shared memory before the wgmmas:
+
+* Warp 0 of the producer warpgroup TMA-loads e4m3 tiles (``block_n`` x 576 bytes, 64-byte
+  swizzle) into a staging ring; warps 1-3 (96 threads, ``MLADecodeKernel.convert``) wait on
+  it, write each tile as bf16 into the 128-byte-swizzled ring the wgmmas read (the same tile
+  layout as the bf16 path), fence the generic-proxy writes for the async proxy and arrive on a
+  second pipeline (``PipelineAsync``) that the consumers wait on; they release the staging
+  slot to TMA. Each converter thread moves 8 values at a time (one 8-byte shared load, four
+  ``cvt.rn.f16x2.e4m3x2``, f16 -> f32 -> ``cvt.rn.bf16x2.f32``, one 16-byte shared store).
+  The converters also write zeros for the rows of the last tile past the request's keys, so
+  the FP8 consumers skip their own tail-zeroing pass and its barrier.
+* Exactness: every e4m3 value is a bf16 value, so the conversion is exact and unscaled. The
+  per-tensor ``kv_scale`` is folded instead: into the score scale (``scale * kv_scale *
+  log2 e``) for K, and into the epilogue's normaliser (``v_scale / l``) for V. Folding is
+  exact up to fp32 rounding; multiplying each value by ``kv_scale`` before the wgmmas would
+  round every product ``value * kv_scale`` to bf16 (8 significant bits) and cost a multiply
+  per value. P is rounded to bf16 as in the bf16 path; numerics are otherwise the bf16
+  path's (bf16 queries, fp32 accumulation).
+* Shared memory: tiles of ``min(32, page)`` keys (``kernel_config``), a bf16 ring of 64
+  keys (2 x 32 or 4 x 16: 72 KB) and an e4m3 staging ring of 128 keys (4 x 32 or 8 x 16:
+  72 KB), + Q 72 KB: 222,208 bytes with the barriers, as for bf16 (227 KB allowed). Tiles of
+  64 keys would leave room for one bf16 stage only (converter and consumers in lock step).
+* Cost, not measured yet: a 32-key tile is 18,432 values, 192 per converter thread, and each
+  pair of values takes three conversion instructions, which run at a fraction of the FMA
+  rate; ``triton_mla`` found e4m3 -> bf16 costly enough to run its FP8 dots in fp16 instead.
+  The converters work at the producer warpgroup's 40 registers.
+
+Helix (``helix``)
+-----------------
+Under Helix the plan's page tables are the rank's own (logical page ``p`` is local page
+``p // cp`` of rank ``p % cp``) and ``kv_lens`` stay global. Key ``k`` of a request is the
+``k``-th position the rank owns; the kernel turns every bound on positions into a count of
+owned positions with ``MLADecodeKernel.owned`` (``triton_mla._owned``; host copy
+:func:`~specdec.attention.mla_pack.owned_keys`): the request's keys (split chunks and the
+tail zeroing), the block's stop and each row's causal bound. The rest is unchanged. A row
+that sees none of the rank's keys gets output 0 and LSE ``-inf``. :meth:`CuteMLABackend.run`
+then exchanges the fp32 partials and LSEs by head, combines them and gathers the heads
+(:func:`~specdec.parallel.helix.exchange_heads`, :func:`~specdec.parallel.helix.gather_heads`;
+``local_heads`` keeps the rank's slice), as ``triton_mla`` and ``helix_ref`` do.
+
+Not done yet (in order): GPU validation (bf16, then FP8 and Helix); measuring the FP8
+converters against the consumers (if they are the bottleneck: fp16 dots as ``triton_mla``
+does, i.e. e4m3 -> f16 is one ``cvt`` per two values and Q is converted once per CTA with a
+power-of-two scale per row, or the consumers converting too); a fused merge (and bf16 output
+written by the kernel when there is one split); P shared through shared memory instead of
+recomputing S in both warpgroups; a persistent grid.
 """
 
 from __future__ import annotations
