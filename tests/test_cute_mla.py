@@ -1,17 +1,22 @@
 """The CuTe DSL MLA backend (``cute_mla``): host logic on the CPU, the kernel on an sm90 GPU.
 
-CPU (always): ``supports`` verdicts and reasons; the module imports without
-``nvidia-cutlass-dsl``; the kernel's decomposition (row blocks, splits, tiles, causal bounds,
-page-tail zeroing, LSE merge) emulated in PyTorch (:func:`~specdec.attention.mla_pack.emulate_blocks`)
-equals ``torch_ref`` over random batches (hypothesis).
+CPU (always): ``supports`` verdicts and reasons (FP8 and Helix shapes included); the module
+imports without ``nvidia-cutlass-dsl``; the kernel's decomposition (row blocks, splits, tiles,
+causal bounds, page-tail zeroing, LSE merge) emulated in PyTorch
+(:func:`~specdec.attention.mla_pack.emulate_blocks`) equals ``torch_ref`` over random batches
+(hypothesis), with an FP8 E4M3 cache too, and under Helix equals the per-rank reference
+(``shard_attention``, what ``helix_ref`` runs on each rank).
 
 CPU with ``nvidia-cutlass-dsl`` installed (skipped otherwise): the kernel compiles for
-``sm_90a`` without a GPU, with wgmma / TMA / setmaxnreg in its PTX, and the register-layout
-facts it relies on hold (:func:`register_layout_problems`).
+``sm_90a`` without a GPU (bf16 and FP8 caches, with and without Helix page tables), with wgmma /
+TMA / setmaxnreg (FP8: the e4m3 conversions) in its PTX, no spills reported by ptxas and shared
+memory within an sm90 CTA's; the register-layout facts it relies on hold
+(:func:`register_layout_problems`).
 
 GPU (``-m gpu``, an sm90 GPU and the package): the kernel against ``torch_ref`` over the issue's
-grid (H 16/48/64/96/128 x q_len 1/2/4/8 x pages 16/64/128, bf16, with LSE, forced splits).
-This class is the gate for ``cute_mla.VALIDATED_SM``::
+grid (H 16/48/64/96/128 x q_len 1/2/4/8 x pages 16/64/128, bf16, with LSE, forced splits), the
+same for an FP8 cache, and Helix shards against the per-rank reference. This class is the gate
+for ``cute_mla.VALIDATED_SM`` (and ``FP8_VALIDATED_SM``, ``HELIX_VALIDATED_SM``)::
 
     PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -33,9 +39,10 @@ from specdec.attention.backends import cute_mla
 from specdec.attention.backends.base import PhaseBatch
 from specdec.attention.backends.cute_mla import CuteMLABackend, kernel_config
 from specdec.attention.backends.torch_ref import TorchRefBackend
-from specdec.attention.mla_pack import (block_keys, choose_splits, emulate_blocks, merge_partials, row_blocks,
-                                        split_chunk)
+from specdec.attention.mla_pack import (block_keys, choose_splits, emulate_blocks, merge_partials, owned_keys,
+                                        row_blocks, split_chunk)
 from specdec.attention.shapes import AttnShape
+from specdec.parallel.helix import HelixLayout, HelixShard, combine_partials, plan_shard, shard_attention
 
 HAS_CUTLASS = cute_mla.IMPORT_ERROR is None
 HAS_CUDA = torch.cuda.is_available()
@@ -69,19 +76,54 @@ def make_pool(q_lens, kv_lens, *, tpb, d, dtype=torch.float32, device="cpu", see
     return batch, cache.to(device=device, dtype=dtype)
 
 
-def reference(batch, q, cache, scale, lat):
+FP8 = torch.float8_e4m3fn
+FP8_TOL = dict(atol=2e-5, rtol=2e-5)  # tests/test_triton_mla.py's fp32-query FP8 cases (TOL[F32])
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # its bf16-query cases (TOL[BF16]), FP8 included
+
+
+def to_fp8(cache):
+    """An FP8 E4M3 copy of a pool from :func:`make_pool` and its per-tensor scale (the largest finite
+    value maps to 448; NaN slots stay NaN bytes)."""
+    kv_scale = float(cache[torch.isfinite(cache)].abs().max()) / 448.0
+    return (cache.float() / kv_scale).to(FP8), kv_scale
+
+
+def shard_pool(batch, cache, layout, rank):
+    """Rank ``rank``'s view of a pool under Helix: its page tables (logical page ``p`` of a request is
+    the rank's local page ``p // cp`` when ``p % cp == rank``) and a copy of the cache where every slot
+    outside those pages is NaN (slot 0 excepted, as in :func:`make_pool`)."""
+    cp, tpb = layout.cp, layout.tokens_per_block
+    tables = tuple(tuple(t[rank::cp][: -(-layout.local_length(kv, rank) // tpb)])
+                   for kv, t in zip(batch.kv_lens, batch.page_tables))
+    mine = torch.zeros(cache.shape[0], dtype=torch.bool)
+    for t in tables:
+        for page in t:
+            mine[page * tpb: (page + 1) * tpb] = True
+    mine[0] = True
+    local = cache.clone()
+    if local.dtype == FP8:
+        local.view(torch.uint8)[~mine.to(local.device)] = 0x7F  # an E4M3FN NaN
+    else:
+        local[~mine.to(local.device)] = float("nan")
+    return PhaseBatch(batch.q_lens, batch.kv_lens, tables, tpb, batch.device, HelixShard(layout, rank)), local
+
+
+def reference(batch, q, cache, scale, lat, kv_scale=1.0):
+    """torch_ref in fp32 (an FP8 cache dequantised by torch_ref itself)."""
     ref = TorchRefBackend()
-    return ref.run(ref.plan(batch), q.float(), cache.float(), None, scale, lat)
+    return ref.run(ref.plan(batch), q.float(), cache if cache.dtype == FP8 else cache.float(), None, scale, lat,
+                   kv_scale=kv_scale)
 
 
-def reference_lse(batch, q, cache, scale):
+def reference_lse(batch, q, cache, scale, kv_scale=1.0):
     """Natural-log LSE of each query row, fp32, gathered like torch_ref."""
     out = []
     start = 0
     tpb = batch.tokens_per_block
+    cache = cache.float()  # exact for E4M3 (and no float8 indexing needed)
     for q_len, kv_len, table in zip(batch.q_lens, batch.kv_lens, batch.page_tables):
         slots = [table[p // tpb] * tpb + p % tpb for p in range(kv_len)]
-        k = cache[slots, 0].float()  # [kv, D]
+        k = cache[slots, 0].float() * kv_scale  # [kv, D]
         s = torch.einsum("thd,kd->thk", q[start: start + q_len].float(), k) * scale
         pos = torch.arange(kv_len)
         mask = pos[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]  # [q_len, kv]
@@ -97,7 +139,7 @@ def reference_lse(batch, q, cache, scale):
 @pytest.mark.parametrize(("overrides", "reason"), [
     (dict(kind="gqa", num_kv_heads=8, head_dim=128, v_head_dim=128), "kind must be 'mla'"),
     (dict(phase="context", max_q_len=512), "phase must be 'generation'"),
-    (dict(helix_cp=4), "Helix (helix_cp=4) is not implemented"),
+    (dict(helix_cp=5), "num_heads (96) must be divisible by helix_cp (5)"),
     (dict(max_q_len=9), "max_q_len must be <= 8"),
     (dict(num_heads=160), "num_heads must be <= 128"),
     (dict(head_dim=192, v_head_dim=128), "only latent 512 + rope 64"),
@@ -105,8 +147,7 @@ def reference_lse(batch, q, cache, scale):
     (dict(tokens_per_block=256), "tokens_per_block must be one of"),
     (dict(device="cpu", sm=None), "device must be cuda"),
     (dict(q_dtype="float32"), "q_dtype must be one of ('bfloat16',)"),
-    (dict(kv_dtype="float8_e4m3fn"), "FP8 E4M3 KV is not implemented in cute_mla yet"),
-    (dict(kv_dtype="float32"), "kv_dtype must be one of ('bfloat16',)"),
+    (dict(kv_dtype="float32"), "kv_dtype must be one of ('bfloat16', 'float8_e4m3fn')"),
 ])
 def test_supports_refuses_with_the_reason(overrides, reason):
     verdict = CuteMLABackend().supports(mla_gpu(**overrides))
@@ -116,17 +157,55 @@ def test_supports_refuses_with_the_reason(overrides, reason):
 @pytest.mark.parametrize("h", [16, 48, 64, 96, 128])
 @pytest.mark.parametrize("q_len", [1, 2, 4, 8])
 @pytest.mark.parametrize("tpb", [16, 32, 64, 128])
-def test_supports_the_issue_grid_only_once_validated(h, q_len, tpb):
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_supports_the_issue_grid_only_once_validated(h, q_len, tpb, kv_dtype):
     """Every in-scope shape is refused for exactly one reason until sm90 is validated: the missing
     package, or "not yet validated on SM90"; once validated, accepted."""
-    shape = mla_gpu(num_heads=h, max_q_len=q_len, tokens_per_block=tpb, mixed=h % 2 == 0)
+    shape = mla_gpu(num_heads=h, max_q_len=q_len, tokens_per_block=tpb, mixed=h % 2 == 0, kv_dtype=kv_dtype)
     verdict = CuteMLABackend().supports(shape)
+    fp8 = kv_dtype == "float8_e4m3fn"
     if not HAS_CUTLASS:
         assert not verdict.ok and "nvidia-cutlass-dsl is not importable" in verdict.reason
-    elif 90 in cute_mla.VALIDATED_SM:
+    elif 90 in cute_mla.VALIDATED_SM and (not fp8 or 90 in cute_mla.FP8_VALIDATED_SM):
         assert verdict.ok, verdict.reason
     else:
         assert not verdict.ok and "not yet validated on SM90" in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize(("overrides", "fp8_sm", "helix_sm", "reason"), [
+    (dict(), (), (), None),
+    (dict(kv_dtype="float8_e4m3fn"), (), (), "the FP8 E4M3 cache is not yet validated on SM90"),
+    (dict(kv_dtype="float8_e4m3fn"), (90,), (), None),
+    (dict(kv_dtype="float8_e4m3fn", tokens_per_block=128, max_q_len=8, num_heads=128), (90,), (), None),
+    (dict(helix_cp=4), (90,), (), "Helix (helix_cp=4) is not yet validated on SM90"),
+    (dict(helix_cp=4), (), (90,), None),
+    (dict(helix_cp=2, kv_dtype="float8_e4m3fn"), (), (90,), "the FP8 E4M3 cache is not yet validated"),
+    (dict(helix_cp=2, kv_dtype="float8_e4m3fn"), (90,), (90,), None),
+    (dict(helix_cp=5), (90,), (90,), "num_heads (96) must be divisible by helix_cp (5)"),
+    (dict(helix_cp=4, kv_dtype="float8_e4m3fn", sm=100), (90,), (90,), "written for sm90"),
+    (dict(kv_dtype="float8_e5m2"), (90,), (90,), "kv_dtype must be one of ('bfloat16', 'float8_e4m3fn')"),
+])
+def test_fp8_and_helix_verdicts_once_sm90_is_validated(monkeypatch, overrides, fp8_sm, helix_sm, reason):
+    """With the package importable and bf16 validated on sm90, FP8 caches and Helix page tables are
+    each admitted by their own gate, and refused for their own reason until then."""
+    monkeypatch.setattr(cute_mla, "IMPORT_ERROR", None)
+    monkeypatch.setattr(cute_mla, "VALIDATED_SM", (90,))
+    monkeypatch.setattr(cute_mla, "FP8_VALIDATED_SM", fp8_sm)
+    monkeypatch.setattr(cute_mla, "HELIX_VALIDATED_SM", helix_sm)
+    verdict = CuteMLABackend().supports(mla_gpu(**overrides))
+    if reason is None:
+        assert verdict.ok, verdict.reason
+    else:
+        assert not verdict.ok and reason in verdict.reason, verdict.reason
+
+
+def test_until_sm90_is_validated_fp8_and_helix_are_refused_for_that_alone(monkeypatch):
+    monkeypatch.setattr(cute_mla, "IMPORT_ERROR", None)
+    monkeypatch.setattr(cute_mla, "FP8_VALIDATED_SM", (90,))
+    monkeypatch.setattr(cute_mla, "HELIX_VALIDATED_SM", (90,))
+    for shape in (mla_gpu(kv_dtype="float8_e4m3fn"), mla_gpu(helix_cp=2), mla_gpu(helix_cp=8, num_heads=128)):
+        verdict = CuteMLABackend().supports(shape)
+        assert not verdict.ok and "not yet validated on SM90 (gate: tests/test_cute_mla.py::TestGPU;" in verdict.reason
 
 
 @pytest.mark.parametrize("sm", [80, 89, 100, 120, None])
@@ -255,7 +334,7 @@ def test_the_kernel_decomposition_equals_the_reference(h, q_lens, extra, tpb, sp
     batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
     q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1))
     scale = (lat + rope) ** -0.5 * 1.3
-    block_n, _ = kernel_config(tpb)
+    block_n = kernel_config(tpb)[0]
     o_part, lse2 = emulate_blocks(q, cache, batch.page_tables, q_lens, kv_lens, tokens_per_block=tpb, scale=scale,
                                   v_head_dim=lat, num_splits=splits, block_n=block_n)
     out, lse = merge_partials(o_part, lse2, torch.float32)
@@ -263,6 +342,121 @@ def test_the_kernel_decomposition_equals_the_reference(h, q_lens, extra, tpb, sp
     assert torch.isfinite(want).all()
     torch.testing.assert_close(out.view(-1, h, lat), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, reference_lse(batch, q, cache, scale).reshape(-1), atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    h=st.sampled_from([1, 3, 16, 40]),
+    q_lens=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    extra=st.lists(st.integers(0, 90), min_size=3, max_size=3),
+    tpb=st.sampled_from([16, 32, 64, 128]),
+    splits=st.integers(1, 5),
+    bf16=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_the_fp8_decomposition_equals_the_reference(h, q_lens, extra, tpb, splits, bf16, seed):
+    """An FP8 E4M3 cache (NaN bytes outside the contexts) read as the kernel does: tiles of
+    ``min(32, page)`` keys, e4m3 values unscaled in the dots, ``kv_scale`` folded into the score
+    scale and the output. fp32 queries equal torch_ref's FP8 result at test_triton_mla's fp32
+    tolerance; bf16 queries with P rounded to bf16 (the kernel's numerics) at its bf16 tolerance."""
+    kv_lens = [q + e for q, e in zip(q_lens, extra)]
+    lat, rope = 32, 16
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
+    cache, kv_scale = to_fp8(cache * 3.0)
+    q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1))
+    if bf16:
+        q = q.bfloat16().float()
+    scale = (lat + rope) ** -0.5 * 1.3
+    block_n = kernel_config(tpb, fp8=True)[0]
+    o_part, lse2 = emulate_blocks(q, cache, batch.page_tables, q_lens, kv_lens, tokens_per_block=tpb, scale=scale,
+                                  v_head_dim=lat, num_splits=splits, block_n=block_n, kv_scale=kv_scale,
+                                  p_dtype=torch.bfloat16 if bf16 else None)
+    out, lse = merge_partials(o_part, lse2, torch.float32)
+    want = reference(batch, q, cache, scale, lat, kv_scale)
+    assert torch.isfinite(want).all()
+    tol = BF16_TOL if bf16 else FP8_TOL
+    torch.testing.assert_close(out.view(-1, h, lat), want, **tol)
+    torch.testing.assert_close(lse, reference_lse(batch, q, cache, scale, kv_scale).reshape(-1), **tol)
+
+
+@given(n=st.integers(0, 3000), cp=st.integers(1, 5), tpb=st.sampled_from([16, 32, 64, 128]), data=st.data())
+def test_owned_keys_is_the_layouts_local_length(n, cp, tpb, data):
+    rank = data.draw(st.integers(0, cp - 1))
+    assert owned_keys(n, cp, rank, tpb) == HelixLayout(cp, tpb).local_length(n, rank)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    h=st.sampled_from([4, 16, 40]),
+    q_lens=st.lists(st.integers(1, 8), min_size=1, max_size=3),
+    extra=st.lists(st.integers(0, 150), min_size=3, max_size=3),
+    tpb=st.sampled_from([16, 32, 64]),
+    cp=st.integers(2, 4),
+    splits=st.integers(1, 4),
+    fp8=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_the_helix_decomposition_equals_the_per_rank_reference(h, q_lens, extra, tpb, cp, splits, fp8, seed):
+    """Helix: each rank's page tables (its pages only, the rest of its cache NaN) through the
+    emulated kernel equal ``shard_attention`` (what helix_ref runs on each rank), output and LSE,
+    including rows that see none of the rank's keys (0, -inf); the ranks' partials combined by LSE
+    equal torch_ref over the whole cache."""
+    kv_lens = [q + e for q, e in zip(q_lens, extra)]
+    lat, rope = 32, 16
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
+    kv_scale = 1.0
+    if fp8:
+        cache, kv_scale = to_fp8(cache)
+    q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1))
+    scale = (lat + rope) ** -0.5 * 1.3
+    block_n = kernel_config(tpb, fp8=fp8)[0]
+    layout, outs, lses = HelixLayout(cp, tpb), [], []
+    for rank in range(cp):
+        local_batch, local = shard_pool(batch, cache, layout, rank)
+        o_part, lse2 = emulate_blocks(q, local, local_batch.page_tables, q_lens, kv_lens, tokens_per_block=tpb,
+                                      scale=scale, v_head_dim=lat, num_splits=splits, block_n=block_n,
+                                      kv_scale=kv_scale, cp=cp, rank=rank)
+        out, lse = merge_partials(o_part, lse2, torch.float32)
+        out, lse = out.view(-1, h, lat), lse.view(-1, h)
+        plan = plan_shard(q_lens, kv_lens, local_batch.page_tables, layout, rank)
+        want, want_lse = shard_attention(plan, q, local, scale, lat, kv_scale)
+        what = f"rank {rank} of {cp}"
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), what
+        torch.testing.assert_close(out, want, **FP8_TOL, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(lse, want_lse, **FP8_TOL, msg=lambda m: f"{what}: {m}")
+        outs.append(out)
+        lses.append(lse)
+    got, got_lse = combine_partials(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(got, reference(batch, q, cache, scale, lat, kv_scale), **FP8_TOL)
+    want_lse = reference_lse(batch, q, cache, scale, kv_scale).reshape(-1)
+    torch.testing.assert_close(got_lse.reshape(-1), want_lse, **FP8_TOL)
+
+
+def test_helix_plans_hold_the_ranks_pages_and_split_its_keys():
+    """plan() under Helix: the rank's own page tables, global kv_lens, ``max_kv_len`` the most keys
+    one request has on this rank (what the splits cut); a mismatched layout page size is refused."""
+    batch, _ = make_pool([2, 1], [150, 40], tpb=32, d=48)
+    local_batch, _ = shard_pool(batch, torch.zeros(1), HelixLayout(2, 32), 1)
+    plan = CuteMLABackend().plan(local_batch)
+    assert plan.shard is local_batch.shard and plan.kv_lens.tolist() == [150, 40]
+    assert plan.max_kv_len == max(HelixLayout(2, 32).local_length(n, 1) for n in (150, 40)) == 64
+    assert plan.page_table.tolist() == [list(local_batch.page_tables[0][:2]), [local_batch.page_tables[1][0], 0]]
+    bad = dataclasses.replace(local_batch, shard=HelixShard(HelixLayout(2, 64), 1))
+    with pytest.raises(ValueError, match="pages hold 64 tokens"):
+        CuteMLABackend().plan(bad)
+
+
+@pytest.mark.parametrize("tpb", [16, 32, 64, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernel_config_fits_the_shared_memory_and_the_converters(tpb, fp8):
+    """Q (72 KB) + the bf16 ring + (FP8) the e4m3 staging ring stay within an sm90 CTA's 227 KB; FP8
+    tiles of ``min(32, page)`` keys, whose 8-value chunks split evenly over the 96 converter threads."""
+    block_n, stages, fp8_stages = kernel_config(tpb, fp8=fp8)
+    assert tpb % block_n == 0 and block_n == min(32 if fp8 else 64, tpb)
+    assert (fp8_stages > 0) == fp8 and (block_n * 576 // 8) % 96 == 0
+    q_bytes, ring, staging = 64 * 576 * 2, stages * block_n * 576 * 2, fp8_stages * block_n * 576
+    assert q_bytes + ring + staging + 1024 <= cute_mla.SMEM_LIMIT
+    assert stages * block_n >= 64 and (not fp8 or fp8_stages * block_n >= 128)  # keys in flight
 
 
 def test_without_the_tail_zeroing_nan_leaks():
@@ -294,51 +488,76 @@ def test_register_layout_assumptions_hold():
     assert done.stdout.strip().startswith("0 "), done.stdout[-3000:]
 
 
+COMPILE_CASES = [(tpb, fp8, False) for fp8 in (False, True) for tpb in (16, 32, 64, 128)] + [
+    (64, False, True), (16, True, True), (128, True, True)]  # (page size, FP8 cache, Helix)
+
+
 @needs_cutlass
-@pytest.mark.parametrize("tpb", [16, 32, 64, 128])
-def test_kernel_compiles_for_sm90a_without_a_gpu(tpb, tmp_path):
-    """In a subprocess (the arch is read once per process): CUTE_DSL_ARCH=sm_90a, PTX and cubin kept;
-    the PTX has the wgmma shapes, TMA loads and register reallocation of the design."""
+@pytest.mark.parametrize(("tpb", "fp8", "helix"), COMPILE_CASES)
+def test_kernel_compiles_for_sm90a_without_a_gpu(tpb, fp8, helix, tmp_path):
+    """In a subprocess (the arch is read once per process): CUTE_DSL_ARCH=sm_90a, PTX and cubin kept,
+    ptxas remarks on. The PTX has the wgmma shapes, TMA loads and register reallocation of the design
+    (FP8: the hardware e4m3 -> f16 conversions, then f32 -> bf16, with vectorised shared-memory moves);
+    ptxas reports no spills; the launch's shared memory fits an sm90 CTA."""
     code = (
         "from specdec.attention.backends import _cute_mla_kernel as K\n"
         "from specdec.attention.backends.cute_mla import kernel_config\n"
-        f"K.compile_fake(512, 64, {tpb}, *kernel_config({tpb}))\n"
+        f"_, smem = K.compile_fake(512, 64, {tpb}, *kernel_config({tpb}, fp8={fp8}), helix={helix})\n"
+        "print('SMEM', smem)\n"
     )
-    done = run_for_sm90a(code, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_for_sm90a(code, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(tmp_path),
+                         CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    log = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)
+    assert done.returncode == 0, log[-3000:]
     ptx = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     cubin = [p for p in tmp_path.iterdir() if p.suffix == ".cubin"]
     assert len(ptx) == 1 and len(cubin) == 1 and cubin[0].stat().st_size > 10_000
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
-    block_n = min(64, tpb)
+    block_n = kernel_config(tpb, fp8=fp8)[0]
     assert text.count(f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16") == 576 // 16  # S = Q K^T
     assert text.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == block_n // 16  # O += P V
     assert "cp.async.bulk.tensor.2d.shared::cta.global" in text
     assert "setmaxnreg.dec.sync.aligned.u32" in text and "setmaxnreg.inc.sync.aligned.u32" in text
     assert ".local" not in text  # no local-memory arrays in the PTX
+    if fp8:  # 8 values a thread: 4 e4m3x2 -> f16x2, each half -> f32, pairs -> bf16x2; 8 bytes in, 16 out
+        assert text.count("cvt.rn.f16x2.e4m3x2") == 4 and "cvt.rn.bf16x2.f32" in text
+        assert "ld.shared.v2.b32" in text and "st.shared.v4.b32" in text
+    else:
+        assert "e4m3" not in text
+    used = re.findall(r"Used (\d+) registers", log)
+    assert used and "0 bytes spill stores, 0 bytes spill loads" in log, log[-3000:]
+    smem = int(re.search(r"SMEM (\d+)", log).group(1))
+    assert smem <= cute_mla.SMEM_LIMIT, smem
 
 
 @needs_cutlass
 def test_the_backend_compiles_against_real_tensors_and_stops_only_at_the_launch():
-    """``attend`` on CPU tensors: the arguments are converted and the kernel compiled for them (the path
-    a GPU call takes); only the launch fails, for want of a CUDA driver."""
+    """``attend`` on CPU tensors (bf16 cache, FP8 cache, FP8 under a Helix plan): the arguments are
+    converted and one kernel compiled for each (the path a GPU call takes); only the launch fails, for
+    want of a CUDA driver."""
     code = (
         "import torch\n"
         "from specdec.attention.backends.cute_mla import CuteMLABackend\n"
         "from specdec.attention.backends.base import PhaseBatch\n"
+        "from specdec.parallel.helix import HelixLayout, HelixShard\n"
         "b = CuteMLABackend()\n"
         "plan = b.plan(PhaseBatch((2, 1), (70, 5), ((3, 1, 0), (2,)), 64, torch.device('cpu')))\n"
+        "shard = HelixShard(HelixLayout(2, 64), 1)\n"
+        "helix = b.plan(PhaseBatch((2, 1), (70, 5), ((1,), ()), 64, torch.device('cpu'), shard))\n"
         "q, cache = torch.randn(3, 16, 576).bfloat16(), torch.randn(256, 1, 576).bfloat16()\n"
-        "try:\n"
-        "    b.attend(plan, q, cache, 0.1, 512)\n"
-        "except Exception as e:\n"
-        "    print(type(e).__name__, 'Driver' in str(e) or 'driver' in str(e))\n"
+        "for p, c in ((plan, cache), (plan, cache.to(torch.float8_e4m3fn)), (helix, cache.to(torch.float8_e4m3fn))):\n"
+        "    try:\n"
+        "        b.attend(p, q, c, 0.1, 512, kv_scale=0.5)\n"
+        "    except Exception as e:\n"
+        "        print(type(e).__name__, 'Driver' in str(e) or 'driver' in str(e))\n"
         "print(sorted(b._compiled))\n"
     )
     done = run_for_sm90a(code)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "DSLCudaRuntimeError True" in done.stdout and "[(512, 64, 64)]" in done.stdout, done.stdout[-3000:]
+    assert done.stdout.count("DSLCudaRuntimeError True") == 3, done.stdout[-3000:]
+    assert ("[(512, 64, 64, 'bfloat16', False), (512, 64, 64, 'float8_e4m3fn', False), "
+            "(512, 64, 64, 'float8_e4m3fn', True)]") in done.stdout, done.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------- GPU
@@ -347,24 +566,61 @@ def test_the_backend_compiles_against_real_tensors_and_stops_only_at_the_launch(
 GPU_KV_LENS = (1000, 333, 2055)
 
 
-def gpu_case(h, q_lens, kv_lens, *, tpb, num_splits=None, seed=0, check_lse=True):
+def gpu_case(h, q_lens, kv_lens, *, tpb, num_splits=None, seed=0, check_lse=True, fp8=False):
+    """The kernel against torch_ref (fp32) on one phase, bf16 queries, a bf16 or (``fp8``) E4M3 cache."""
     lat, rope = 512, 64
-    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, dtype=torch.bfloat16, device="cuda", seed=seed)
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
+    kv_scale = 1.0
+    if fp8:
+        cache, kv_scale = to_fp8(cache)
+    cache = cache.to("cuda", FP8 if fp8 else torch.bfloat16)
+    batch = dataclasses.replace(batch, device=torch.device("cuda"))
     q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to("cuda", torch.bfloat16)
     scale = (128 + 64) ** -0.5
     backend = CuteMLABackend(num_splits=num_splits)
     plan = backend.plan(batch)
-    out, lse = backend.attend(plan, q, cache, scale, lat, return_lse=True)
-    want = reference(batch, q, cache, scale, lat)
+    out, lse = backend.attend(plan, q, cache, scale, lat, kv_scale=kv_scale, return_lse=True)
+    want = reference(batch, q, cache, scale, lat, kv_scale)
     assert out.shape == (sum(q_lens), h, lat) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), want, **BF16_TOL)
     if check_lse:
-        want_lse = reference_lse(batch, q.cpu(), cache.cpu(), scale).view(-1, h).to("cuda")
-        torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=2e-2)
-    assert torch.equal(backend.run(plan, q, cache, None, scale, lat), out)  # run == attend, deterministic
+        want_lse = reference_lse(batch, q.cpu(), cache.cpu(), scale, kv_scale).view(-1, h).to("cuda")
+        torch.testing.assert_close(lse, want_lse, **BF16_TOL)
+    assert torch.equal(backend.run(plan, q, cache, None, scale, lat, kv_scale=kv_scale), out)  # deterministic
     return backend
+
+
+def gpu_helix_case(h, q_lens, kv_lens, cp, *, tpb, num_splits=None, seed=0, fp8=False):
+    """Helix shards simulated in one process: each rank's kernel partial and LSE (its pages only, the
+    rest of its cache NaN) against ``shard_attention`` on the same shard; the partials combined by LSE
+    against torch_ref over the whole cache."""
+    lat, rope = 512, 64
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=lat + rope, seed=seed)
+    kv_scale = 1.0
+    if fp8:
+        cache, kv_scale = to_fp8(cache)
+    cache = cache.to(FP8 if fp8 else torch.bfloat16)
+    q = torch.randn(sum(q_lens), h, lat + rope, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    scale = (128 + 64) ** -0.5
+    backend = CuteMLABackend(num_splits=num_splits)
+    layout, outs, lses = HelixLayout(cp, tpb), [], []
+    for rank in range(cp):
+        local_batch, local = shard_pool(batch, cache, layout, rank)
+        plan = backend.plan(dataclasses.replace(local_batch, device=torch.device("cuda")))
+        part, part_lse = backend.attend(plan, q.cuda(), local.cuda(), scale, lat, kv_scale=kv_scale,
+                                        return_lse=True, out_dtype=torch.float32)
+        want, want_lse = shard_attention(plan_shard(q_lens, kv_lens, local_batch.page_tables, layout, rank),
+                                         q.float(), local, scale, lat, kv_scale)
+        what = f"rank {rank} of {cp}"
+        assert torch.equal(torch.isneginf(part_lse).cpu(), torch.isneginf(want_lse)), what
+        torch.testing.assert_close(part.cpu(), want, **BF16_TOL, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(part_lse.cpu(), want_lse, **BF16_TOL, msg=lambda m: f"{what}: {m}")
+        outs.append(part.cpu())
+        lses.append(part_lse.cpu())
+    got, _ = combine_partials(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(got, reference(batch, q, cache, scale, lat, kv_scale), **BF16_TOL)
 
 
 @pytest.mark.gpu
@@ -403,3 +659,33 @@ class TestGPU:
         gpu_case(128, (1,), (32768,), tpb=64, check_lse=False)
         kv = torch.randint(8, 3000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
         gpu_case(16, (4,) * 64, tuple(kv), tpb=32, check_lse=False)
+
+    # ---- FP8 E4M3 cache: the gate for cute_mla.FP8_VALIDATED_SM
+
+    @pytest.mark.parametrize("tpb", [16, 32, 64, 128])
+    @pytest.mark.parametrize("q_len", [1, 2, 4, 8])
+    @pytest.mark.parametrize("h", [16, 64, 96, 128])
+    def test_fp8_grid_vs_reference(self, h, q_len, tpb):
+        gpu_case(h, (q_len, max(1, q_len - 1), q_len), GPU_KV_LENS, tpb=tpb, seed=h + q_len + tpb, fp8=True)
+
+    @pytest.mark.parametrize("splits", [1, 2, 7, 33])
+    def test_fp8_forced_splits(self, splits):
+        gpu_case(96, (4, 1, 3), (4096, 17, 777), tpb=64, num_splits=splits, fp8=True)
+
+    def test_fp8_odd_heads_long_request_and_large_batch(self):
+        gpu_case(33, (3, 1, 8), (70, 5, 200), tpb=16, num_splits=2, fp8=True)
+        gpu_case(128, (1,), (32768,), tpb=128, check_lse=False, fp8=True)
+        kv = torch.randint(8, 3000, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+        gpu_case(16, (4,) * 64, tuple(kv), tpb=32, check_lse=False, fp8=True)
+
+    # ---- Helix page tables: the gate for cute_mla.HELIX_VALIDATED_SM
+
+    @pytest.mark.parametrize("fp8", [False, True])
+    @pytest.mark.parametrize(("cp", "tpb"), [(2, 16), (4, 64), (8, 128), (3, 32)])
+    def test_helix_shards_vs_reference(self, cp, tpb, fp8):
+        """Requests shorter than a page (ranks that own none of them), verify rows straddling pages."""
+        gpu_helix_case(48, (4, 1, 2), (1000, 9, 2055), cp, tpb=tpb, fp8=fp8)
+
+    @pytest.mark.parametrize("splits", [1, 3, 17])
+    def test_helix_forced_splits(self, splits):
+        gpu_helix_case(96, (8, 1), (3000, 700), 4, tpb=64, num_splits=splits, fp8=True)

@@ -8,8 +8,14 @@ tiles. Each (row block, split) computes a partial output normalised over its key
 log-sum-exp of its scores; :func:`merge_partials` combines the splits exactly.
 
 :func:`emulate_blocks` runs that decomposition in plain PyTorch (same blocks, splits, tiles,
-causal bounds, and the zeroing of a page's tail past the context), so the index arithmetic
-the CuTe kernel (``cute_mla``) implements is testable on a CPU against ``torch_ref``.
+causal bounds, and the zeroing of a page's tail past the context; FP8 caches and Helix page
+tables as the kernel reads them), so the index arithmetic the CuTe kernel (``cute_mla``)
+implements is testable on a CPU against ``torch_ref`` and ``helix_ref``.
+
+Under Helix a rank's page tables hold only the pages it owns (page ``p`` of a request belongs
+to rank ``p % cp``): key ``k`` is the ``k``-th position the rank owns, and every bound on
+positions (the request's length, a row's causal bound) becomes a count of owned positions
+(:func:`owned_keys`).
 """
 
 from __future__ import annotations
@@ -108,6 +114,14 @@ def split_chunk(kv_len: int, num_splits: int, block_n: int) -> int:
     return -(-(-(-kv_len // num_splits)) // block_n) * block_n
 
 
+def owned_keys(n: int, cp: int, rank: int, tokens_per_block: int) -> int:
+    """Keys of positions ``[0, n)`` in rank ``rank``'s page table (page ``p`` -> rank ``p % cp``);
+    ``n`` for ``cp == 1``. The kernel's arithmetic (``HelixLayout.local_length``)."""
+    full = n // tokens_per_block
+    keys = -(-(full - rank) // cp) * tokens_per_block  # pages p < full with p % cp == rank
+    return keys + (n % tokens_per_block if full % cp == rank else 0)
+
+
 @dataclass(frozen=True, slots=True)
 class BlockKeys:
     """The keys one (row block, split) of a request reads: ``[lo, hi)``, in ``n_tiles`` tiles."""
@@ -118,17 +132,20 @@ class BlockKeys:
 
 
 def block_keys(q_len: int, kv_len: int, num_heads: int, mblk: int, split: int, num_splits: int, block_n: int,
-               block_m: int = 64) -> BlockKeys:
+               block_m: int = 64, *, cp: int = 1, rank: int = 0, tokens_per_block: int = 1) -> BlockKeys:
     """The key range of row block ``mblk``, split ``split`` (the kernel's arithmetic, host copy).
 
     The block's last row is token ``min((mblk * block_m + block_m - 1) // H, q_len - 1)``; no row
-    of the block sees a key past ``kv_len - q_len + that token``, so the range stops there.
+    of the block sees a position past ``kv_len - q_len + that token``, so the range stops there.
+    Under Helix (``cp > 1``) keys are rank ``rank``'s: the splits cut its ``owned_keys(kv_len)``
+    keys and the stop is the count of its positions up to that bound.
     """
     last_tok = min((mblk * block_m + block_m - 1) // num_heads, q_len - 1)
-    stop = kv_len - q_len + last_tok + 1
-    chunk = split_chunk(kv_len, num_splits, block_n)
+    n_keys = owned_keys(kv_len, cp, rank, tokens_per_block)
+    stop = owned_keys(kv_len - q_len + last_tok + 1, cp, rank, tokens_per_block)
+    chunk = split_chunk(n_keys, num_splits, block_n)
     lo = split * chunk
-    hi = min(lo + chunk, kv_len, stop)
+    hi = min(lo + chunk, n_keys, stop)
     return BlockKeys(lo, hi, max(-(-(hi - lo) // block_n), 0))
 
 
@@ -173,13 +190,25 @@ def merge_partials(o_part: torch.Tensor, lse2_part: torch.Tensor, out_dtype: tor
 
 def emulate_blocks(q: torch.Tensor, cache: torch.Tensor, page_tables, q_lens, kv_lens, *, tokens_per_block: int,
                    scale: float, v_head_dim: int, num_splits: int, block_n: int, block_m: int = 64,
-                   kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_scale: float = 1.0, p_dtype: torch.dtype | None = None, cp: int = 1,
+                   rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's decomposition in PyTorch, fp32: per-split partials ``(o_part, lse2_part)``.
 
-    ``q`` ``[T, H, D]``; ``cache`` ``[slots, 1, D]`` (float, already dequantised by the caller or
-    not: ``kv_scale`` multiplies it); returns ``o_part [T * H, splits, Dv]`` and
-    ``lse2_part [T * H, splits]`` as :func:`merge_partials` takes them. Rows never written keep
-    ``o = 0, lse = -inf`` (the kernel leaves them unwritten: only real rows are read back).
+    Args:
+        q: ``[T, H, D]`` (its values are used as given: round them first to model bf16 queries).
+        cache: ``[slots, 1, D]``, float or FP8 E4M3 holding ``value / kv_scale``: read as it is
+            stored (e4m3 -> fp32 is exact, as the kernel's e4m3 -> bf16), with ``kv_scale`` folded
+            into the score scale and into the output, as the kernel does.
+        page_tables, q_lens, kv_lens: the phase (under Helix: rank ``rank``'s page tables, global lengths).
+        tokens_per_block, scale, v_head_dim, num_splits, block_n, block_m: the launch.
+        kv_scale: the cache's per-tensor dequantisation scale.
+        p_dtype: the probabilities' dtype in ``P V`` (the kernel's bf16); ``None``: fp32.
+        cp, rank: Helix ranks and this one (``cp = 1``: unsharded).
+
+    Returns:
+        ``o_part [T * H, splits, Dv]`` and ``lse2_part [T * H, splits]`` as :func:`merge_partials`
+        takes them. Rows never written keep ``o = 0, lse = -inf`` (the kernel leaves them
+        unwritten: only real rows are read back).
     """
     if tokens_per_block % block_n:
         raise ValueError(f"block_n ({block_n}) must divide tokens_per_block ({tokens_per_block})")
@@ -188,15 +217,18 @@ def emulate_blocks(q: torch.Tensor, cache: torch.Tensor, page_tables, q_lens, kv
     o_part = torch.zeros(num_tokens * num_heads, num_splits, v_head_dim)
     lse2 = torch.full((num_tokens * num_heads, num_splits), -math.inf)
     q_start = 0
-    for seq, (q_len, kv_len, table) in enumerate(zip(q_lens, kv_lens, page_tables)):
+    for q_len, kv_len, table in zip(q_lens, kv_lens, page_tables):
         rows = q_len * num_heads
+        n_keys = owned_keys(kv_len, cp, rank, tokens_per_block)
         for mblk in range(row_blocks(q_len, num_heads, block_m)):
             r_lo, r_hi = mblk * block_m, min(mblk * block_m + block_m, rows)  # real rows of the block
             local = torch.arange(r_lo, r_hi)
-            row_end = kv_len - q_len + local // num_heads + 1  # causal bound per row
+            row_end = torch.tensor([owned_keys(kv_len - q_len + tok + 1, cp, rank, tokens_per_block)
+                                    for tok in (local // num_heads).tolist()])  # causal bound per row, in keys
             qb = rows_q[q_start * num_heads + r_lo: q_start * num_heads + r_hi]
             for split in range(num_splits):
-                keys = block_keys(q_len, kv_len, num_heads, mblk, split, num_splits, block_n, block_m)
+                keys = block_keys(q_len, kv_len, num_heads, mblk, split, num_splits, block_n, block_m, cp=cp,
+                                  rank=rank, tokens_per_block=tokens_per_block)
                 m_i = torch.full((r_hi - r_lo,), -math.inf)
                 l_i = torch.zeros(r_hi - r_lo)
                 acc = torch.zeros(r_hi - r_lo, v_head_dim)
@@ -204,12 +236,11 @@ def emulate_blocks(q: torch.Tensor, cache: torch.Tensor, page_tables, q_lens, kv
                     key0 = keys.lo + t * block_n
                     page = table[key0 // tokens_per_block]
                     slot0 = page * tokens_per_block + key0 % tokens_per_block
-                    tile = cache[slot0: slot0 + block_n, 0].float() * kv_scale  # one page: contiguous slots
-                    valid = kv_len - key0
-                    if valid < block_n:  # the page's tail past the context: zeroed before use
-                        tile = tile.clone()
+                    tile = cache[slot0: slot0 + block_n, 0].to(torch.float32, copy=True)  # one page: contiguous slots
+                    valid = n_keys - key0
+                    if valid < block_n:  # the page's tail past the keys: zeroed before use
                         tile[valid:] = 0.0
-                    s = (qb @ tile.T) * (scale * LOG2E)  # tile already carries kv_scale
+                    s = (qb @ tile.T) * (scale * kv_scale * LOG2E)
                     key = key0 + torch.arange(block_n)
                     s = torch.where(key[None, :] < row_end[:, None], s, torch.full_like(s, -math.inf))
                     m_new = torch.maximum(m_i, s.max(dim=1).values)
@@ -217,12 +248,13 @@ def emulate_blocks(q: torch.Tensor, cache: torch.Tensor, page_tables, q_lens, kv
                     alpha = torch.exp2(m_i - m_safe)
                     p = torch.exp2(s - m_safe[:, None])
                     l_i = l_i * alpha + p.sum(dim=1)
-                    acc = acc * alpha[:, None] + p @ tile[:, :v_head_dim]
+                    p_v = p if p_dtype is None else p.to(p_dtype).float()
+                    acc = acc * alpha[:, None] + p_v @ tile[:, :v_head_dim]
                     m_i = m_new
                 empty = l_i == 0
                 out_rows = q_start * num_heads + local
                 o_part[out_rows, split] = torch.where(empty[:, None], torch.zeros_like(acc),
-                                                      acc / torch.where(empty, 1.0, l_i)[:, None])
+                                                      acc * (kv_scale / torch.where(empty, 1.0, l_i))[:, None])
                 lse2[out_rows, split] = torch.where(empty, torch.full_like(l_i, -math.inf),
                                                     m_i + torch.log2(torch.where(empty, 1.0, l_i)))
         q_start += q_len

@@ -17,7 +17,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda  # noqa: E402 - a dependency of nvidia-cutlass-dsl
 
 BLOCK_M = 64  # query rows per CTA: one wgmma M, shared by both consumer warpgroups
-THREADS = 384  # warpgroup 0: producer (one TMA warp); warpgroups 1, 2: consumers
+THREADS = 384  # warpgroup 0: producer (warp 0: TMA; FP8: warps 1-3 convert); warpgroups 1, 2: consumers
+CONVERTERS = 96  # FP8: the producer warpgroup's warps 1-3 turn e4m3 tiles into bf16 tiles
+CHUNK = 8  # values a converter thread moves at once: 8 bytes of e4m3 in, 16 bytes of bf16 out
 REGS_PRODUCER = 40
 REGS_CONSUMER = 232
 ZERO_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is __syncthreads)
@@ -26,22 +28,31 @@ ZERO_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is __syncthr
 class MLADecodeKernel:
     """Paged absorbed-MLA decode / verify for sm90: one CTA = 64 query rows x one KV split of one request.
 
-    Compile-time: latent / rope widths, page size, keys per tile, pipeline depth.
-    Runtime: the packed queries, the latent cache, the plan's tensors, the scale and split count.
+    Compile-time: latent / rope widths, page size, keys per tile, depth of the bf16 ring the
+    wgmmas read (``stages``), depth of the e4m3 staging ring (``fp8_stages``; 0: a bf16 cache,
+    loaded straight into the bf16 ring), and ``helix`` (rank-local page tables).
+    Runtime: the packed queries, the latent cache, the plan's tensors, the scales, the split
+    count, and the Helix group size and rank (``cp = 1, rank = 0`` unsharded).
 
-    Output: ``o_part[row * num_splits + split, :]`` (fp32, normalised over the split's keys) and
-    ``lse_part[row * num_splits + split]`` (fp32, log2 domain; ``-inf`` for a split no key of
-    which the row sees), ``row`` indexing the flattened ``[num_tokens * H]`` query rows.
+    Output: ``o_part[row * num_splits + split, :]`` (fp32, normalised over the split's keys, times
+    ``v_scale``) and ``lse_part[row * num_splits + split]`` (fp32, log2 domain; ``-inf`` for a
+    split no key of which the row sees), ``row`` indexing the flattened ``[num_tokens * H]`` query rows.
     """
 
-    def __init__(self, latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int):
+    def __init__(self, latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int,
+                 fp8_stages: int = 0, helix: bool = False):
         if latent % 128 or rope % 64 or tokens_per_block % block_n or block_n % 16:
             raise ValueError(f"unsupported MLA kernel config: latent={latent} rope={rope} "
                              f"tokens_per_block={tokens_per_block} block_n={block_n}")
         self.latent, self.rope = latent, rope
         self.dim = latent + rope
         self.tpb, self.block_n, self.stages = tokens_per_block, block_n, stages
+        self.fp8, self.fp8_stages, self.helix = fp8_stages > 0, fp8_stages, helix
+        self.load_stages = fp8_stages if self.fp8 else stages  # the ring TMA writes
         self.half = latent // 2  # output columns per consumer warpgroup
+        if self.fp8 and (block_n * self.dim // CHUNK) % CONVERTERS:
+            raise ValueError(f"block_n={block_n}: {block_n * self.dim // CHUNK} chunks of {CHUNK} do not split "
+                             f"evenly over {CONVERTERS} converter threads")
 
     # ------------------------------------------------------------------ host side
 
@@ -49,7 +60,7 @@ class MLADecodeKernel:
     def __call__(
         self,
         mQ: cute.Tensor,  # [num_rows, dim] bf16, row = token * H + head
-        mKV: cute.Tensor,  # [num_slots, dim] bf16
+        mKV: cute.Tensor,  # [num_slots, dim] bf16, or float8_e4m3fn with fp8_stages
         mOPart: cute.Tensor,  # [num_rows * num_splits, latent] fp32
         mLsePart: cute.Tensor,  # [num_rows * num_splits] fp32 (log2 domain)
         mPageTable: cute.Tensor,  # [num_seqs, max_pages] int32
@@ -57,10 +68,13 @@ class MLADecodeKernel:
         mQStart: cute.Tensor,  # [num_seqs] int32
         mQLens: cute.Tensor,  # [num_seqs] int32
         scale_log2: cutlass.Float32,  # softmax scale * kv_scale * log2(e)
+        v_scale: cutlass.Float32,  # kv_scale: multiplies the normalised output (V is read unscaled)
         num_heads: cutlass.Int32,
         num_splits: cutlass.Int32,
         row_blocks: cutlass.Int32,
         num_seqs: cutlass.Int32,
+        cp: cutlass.Int32,  # Helix ranks (read with helix only)
+        rank: cutlass.Int32,  # this rank (read with helix only)
         stream: cuda.CUstream,
     ):
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -73,26 +87,43 @@ class MLADecodeKernel:
         tile_mnk = (BLOCK_M, self.block_n, self.dim)
         q_layout = sm90_utils.make_smem_layout_a(row_major, tile_mnk, bf16, 1)  # (64, dim, 1)
         kv_layout = sm90_utils.make_smem_layout_b(row_major, tile_mnk, bf16, self.stages)  # (block_n, dim, stages)
+        # What TMA writes: the bf16 ring itself, or (FP8) an e4m3 staging ring (64-byte swizzle: 576
+        # bytes a row) that the converter warps read back into the bf16 ring.
+        load_dtype = cutlass.Float8E4M3FN if cutlass.const_expr(self.fp8) else bf16
+        load_layout = kv_layout
+        if cutlass.const_expr(self.fp8):
+            load_layout = sm90_utils.make_smem_layout_b(row_major, tile_mnk, load_dtype, self.fp8_stages)
 
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.slice_(q_layout, (None, None, 0)), (BLOCK_M, self.dim))
         tma_kv, tma_mKV = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mKV, cute.slice_(kv_layout, (None, None, 0)),
+            cpasync.CopyBulkTensorTileG2SOp(), mKV, cute.slice_(load_layout, (None, None, 0)),
             (self.block_n, self.dim))
         self.q_bytes = cute.size_in_bytes(bf16, cute.slice_(q_layout, (None, None, 0)))
-        self.kv_bytes = cute.size_in_bytes(bf16, cute.slice_(kv_layout, (None, None, 0)))
+        self.kv_bytes = cute.size_in_bytes(load_dtype, cute.slice_(load_layout, (None, None, 0)))
 
-        @cute.struct
-        class Storage:
-            q_bar: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_bar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+        if cutlass.const_expr(self.fp8):
+            @cute.struct
+            class Storage:
+                q_bar: cute.struct.MemRange[cutlass.Int64, 2]
+                kv_bar: cute.struct.MemRange[cutlass.Int64, 2 * self.fp8_stages]
+                cvt_bar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
+                sKV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+                sLoad: cute.struct.Align[cute.struct.MemRange[load_dtype, cute.cosize(load_layout)], 1024]
+        else:
+            @cute.struct
+            class Storage:
+                q_bar: cute.struct.MemRange[cutlass.Int64, 2]
+                kv_bar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
+                sKV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
 
         self.storage = Storage
         self.kernel(
-            qk_mma, pv_mma, tma_q, tma_mQ, tma_kv, tma_mKV, q_layout, kv_layout,
-            mOPart, mLsePart, mPageTable, mKvLens, mQStart, mQLens, scale_log2, num_heads, num_splits,
+            qk_mma, pv_mma, tma_q, tma_mQ, tma_kv, tma_mKV, q_layout, kv_layout, load_layout,
+            mOPart, mLsePart, mPageTable, mKvLens, mQStart, mQLens, scale_log2, v_scale, num_heads, num_splits,
+            cp, rank,
         ).launch(
             grid=(row_blocks, num_splits, num_seqs),
             block=(THREADS, 1, 1),
@@ -114,6 +145,7 @@ class MLADecodeKernel:
         tma_mKV: cute.Tensor,
         q_layout: cute.ComposedLayout,
         kv_layout: cute.ComposedLayout,
+        load_layout: cute.ComposedLayout,
         mOPart: cute.Tensor,
         mLsePart: cute.Tensor,
         mPageTable: cute.Tensor,
@@ -121,8 +153,11 @@ class MLADecodeKernel:
         mQStart: cute.Tensor,
         mQLens: cute.Tensor,
         scale_log2: cutlass.Float32,
+        v_scale: cutlass.Float32,
         num_heads: cutlass.Int32,
         num_splits: cutlass.Int32,
+        cp: cutlass.Int32,
+        rank: cutlass.Int32,
     ):
         BN, D, TPB = self.block_n, self.dim, self.tpb
         tidx, _, _ = cute.arch.thread_idx()
@@ -134,6 +169,9 @@ class MLADecodeKernel:
         storage = smem.allocate(self.storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)  # (64, D, 1)
         sKV = storage.sKV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)  # (BN, D, stages)
+        sLoad = sKV  # what TMA writes: (BN, D, load_stages)
+        if cutlass.const_expr(self.fp8):
+            sLoad = storage.sLoad.get_tensor(load_layout.outer, swizzle=load_layout.inner)
 
         q_pipe = pipeline.PipelineTmaAsync.create(
             num_stages=1,
@@ -142,15 +180,26 @@ class MLADecodeKernel:
             tx_count=self.q_bytes,
             barrier_storage=storage.q_bar.data_ptr(),
         )
+        # TMA -> its readers (one arrive per warp): the consumers, or (FP8) the three converter warps.
         kv_pipe = pipeline.PipelineTmaAsync.create(
-            num_stages=self.stages,
+            num_stages=self.load_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTERS // 32 if self.fp8 else 8),
             tx_count=self.kv_bytes,
             barrier_storage=storage.kv_bar.data_ptr(),
         )
         q_producer, q_consumer = q_pipe.make_participants()
         kv_producer, kv_consumer = kv_pipe.make_participants()
+        tile_consumer = kv_consumer  # what the consumers wait on before their wgmmas
+        if cutlass.const_expr(self.fp8):
+            # converters -> consumers over the bf16 ring (every thread arrives on both sides)
+            cvt_pipe = pipeline.PipelineAsync.create(
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTERS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256),
+                barrier_storage=storage.cvt_bar.data_ptr(),
+            )
+            cvt_producer, tile_consumer = cvt_pipe.make_participants()
 
         # ---- this CTA's rows and keys (every thread computes the same scalars)
         q_len = mQLens[seq]
@@ -159,10 +208,12 @@ class MLADecodeKernel:
         rows = q_len * num_heads  # query rows of the request, token-major
         first_row = mblk * BLOCK_M
         last_tok = cutlass.min((first_row + BLOCK_M - 1) // num_heads, q_len - 1)
-        stop = kv_len - q_len + last_tok + 1  # one past the last key any row of the block sees
-        chunk = (((kv_len + num_splits - 1) // num_splits + BN - 1) // BN) * BN
+        # Key k is the k-th position the page table holds (under Helix: the k-th this rank owns).
+        n_keys = self.owned(kv_len, cp, rank)
+        stop = self.owned(kv_len - q_len + last_tok + 1, cp, rank)  # one past the last key any row sees
+        chunk = (((n_keys + num_splits - 1) // num_splits + BN - 1) // BN) * BN
         lo = split * chunk
-        hi = cutlass.min(cutlass.min(lo + chunk, kv_len), stop)
+        hi = cutlass.min(cutlass.min(lo + chunk, n_keys), stop)
         n_tiles = cutlass.max((hi - lo + BN - 1) // BN, 0)
         row0 = q_start * num_heads + first_row  # first global query row of the block
 
@@ -188,16 +239,64 @@ class MLADecodeKernel:
                             cute.group_modes(gKV, 0, 2))
                         kv_handle = kv_producer.acquire_and_advance()
                         cute.copy(tma_kv, tKgK, tKsK[(None, kv_handle.index)], tma_bar_ptr=kv_handle.barrier)
+                if cutlass.const_expr(self.fp8):
+                    if warp_idx > 0:
+                        self.convert(sLoad, sKV, kv_consumer, cvt_producer, tidx - 32, lo, n_keys, n_tiles)
             else:
                 # ---------------- consumers: warpgroup w owns output columns [w * half, (w + 1) * half)
                 cute.arch.setmaxregister_increase(REGS_CONSUMER)
-                self.consume(qk_mma, pv_mma, sQ, sKV, q_consumer, kv_consumer, mOPart, mLsePart,
-                             tidx, wg_idx - 1, num_heads, num_splits, scale_log2, q_len, kv_len, rows,
-                             first_row, row0, split, lo, n_tiles)
+                self.consume(qk_mma, pv_mma, sQ, sKV, q_consumer, tile_consumer, mOPart, mLsePart,
+                             tidx, wg_idx - 1, num_heads, num_splits, scale_log2, v_scale, q_len, kv_len, rows,
+                             first_row, row0, split, lo, n_tiles, n_keys, cp, rank)
+
+    @cute.jit
+    def owned(self, n, cp, rank):
+        """Keys below position ``n``: ``n`` unsharded; under Helix the positions ``[0, n)`` this rank
+        owns (page ``p`` belongs to rank ``p % cp``), which is also the rank-local index one past the
+        last of them (``HelixLayout.local_length``; ``triton_mla._owned``)."""
+        keys = n
+        if cutlass.const_expr(self.helix):
+            full = n // self.tpb
+            keys = ((full - rank + cp - 1) // cp) * self.tpb  # pages p < full with p % cp == rank
+            if full % cp == rank:
+                keys = keys + n % self.tpb
+        return keys
+
+    @cute.jit
+    def convert(self, sLoad, sKV, kv_consumer, cvt_producer, t, lo, n_keys, n_tiles):
+        """FP8: e4m3 staging tile -> bf16 tile, by the producer warpgroup's warps 1-3 (thread ``t`` of 96).
+
+        The conversion is exact (every e4m3 value is a bf16 value); ``kv_scale`` is not applied here
+        (it is folded into ``scale_log2`` and ``v_scale``). Rows of the request's last tile past its
+        keys (a page's tail: anything, NaN included) are written as zeros, so the consumers need no
+        zeroing pass of their own. Each thread moves ``CHUNK`` consecutive values of a row at a time:
+        8 contiguous bytes in the 64-byte-swizzled staging tile, 16 contiguous bytes in the
+        128-byte-swizzled bf16 tile (both swizzles permute 16-byte units).
+        """
+        BN, D = self.block_n, self.dim
+        per_row = D // CHUNK
+        for it in cutlass.range(n_tiles, unroll=1):
+            valid = n_keys - (lo + it * BN)  # rows of this tile inside the context (>= BN: all)
+            src = kv_consumer.wait_and_advance()
+            dst = cvt_producer.acquire_and_advance()
+            for e in cutlass.range(t, BN * per_row, CONVERTERS, unroll=1):
+                row = e // per_row
+                c = e % per_row
+                raw = cute.make_rmem_tensor(cute.make_layout(CHUNK), cutlass.Float8E4M3FN)
+                cute.autovec_copy(cute.local_tile(sLoad[(None, None, src.index)], (1, CHUNK), (row, c)), raw)
+                val = cute.make_rmem_tensor(cute.make_layout(CHUNK), cutlass.BFloat16)
+                val.store(raw.load().to(cutlass.BFloat16))
+                if row >= valid:
+                    val.fill(0.0)
+                cute.autovec_copy(val, cute.local_tile(sKV[(None, None, dst.index)], (1, CHUNK), (row, c)))
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> the wgmmas' async reads
+            dst.commit()
+            src.release()
 
     @cute.jit
     def consume(self, qk_mma, pv_mma, sQ, sKV, q_consumer, kv_consumer, mOPart, mLsePart, tidx, wg,
-                num_heads, num_splits, scale_log2, q_len, kv_len, rows, first_row, row0, split, lo, n_tiles):
+                num_heads, num_splits, scale_log2, v_scale, q_len, kv_len, rows, first_row, row0, split, lo,
+                n_tiles, n_keys, cp, rank):
         BN, D, HALF = self.block_n, self.dim, self.half
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         t = tidx % 128
@@ -227,14 +326,15 @@ class MLADecodeKernel:
         row_a = tScS[0][0]
         row_b = tScS[2][0]
         rows_here = (row_a, row_b)
-        # causal bound per row: row r of the request is token r // H and sees keys < kv_len - q_len + token + 1
+        # causal bound per row: row r of the request is token r // H and sees positions < kv_len - q_len + token + 1,
+        # i.e. the keys below owned(that) (all of them unsharded)
         row_end = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
         m_i = cute.make_rmem_tensor(cute.make_layout(2), f32)
         l_i = cute.make_rmem_tensor(cute.make_layout(2), f32)
         for h in cutlass.range_constexpr(2):
             r = first_row + rows_here[h]
             tok = cutlass.min(r // num_heads, q_len - 1)  # rows past the request: masked at the store
-            row_end[h] = kv_len - q_len + tok + 1
+            row_end[h] = self.owned(kv_len - q_len + tok + 1, cp, rank)
             m_i[h] = -f32.inf
             l_i[h] = 0.0
 
@@ -243,15 +343,16 @@ class MLADecodeKernel:
             key0 = lo + it * BN
             kv_handle = kv_consumer.wait_and_advance()
             stage = kv_handle.index
-            if key0 + BN > kv_len:
-                # The request's last, partial tile: the page's tail past kv_len may hold anything
-                # (NaN included), and P = 0 does not cancel NaN in P V. Zero those rows first.
-                valid = kv_len - key0
-                n_zero = (BN - valid) * D
-                for e in cutlass.range(tidx - 128, n_zero, 256, unroll=1):
-                    sKV[(valid + e // D, e % D, stage)] = bf16(0.0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=256)
+            if cutlass.const_expr(not self.fp8):  # (FP8: the converters zero the tail)
+                if key0 + BN > n_keys:
+                    # The request's last, partial tile: the page's tail past its keys may hold anything
+                    # (NaN included), and P = 0 does not cancel NaN in P V. Zero those rows first.
+                    valid = n_keys - key0
+                    n_zero = (BN - valid) * D
+                    for e in cutlass.range(tidx - 128, n_zero, 256, unroll=1):
+                        sKV[(valid + e // D, e % D, stage)] = bf16(0.0)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=256)
 
             # ---- S = Q K^T over the full 576 dims (both warpgroups compute it: each needs all of P)
             acc_s = qk_thr.make_fragment_C(s_shape)
@@ -317,7 +418,7 @@ class MLADecodeKernel:
         for h in cutlass.range_constexpr(2):
             total = cute.arch.warp_reduction_sum(l_i[h], threads_in_group=4)
             lse_h = m_i[h] + cute.math.log2(total, fastmath=False)
-            inv_h = 1.0 / total
+            inv_h = v_scale / total
             if total == 0.0:  # no key of this split is visible to the row
                 lse_h = -f32.inf
                 inv_h = f32(0.0)
@@ -336,33 +437,37 @@ class MLADecodeKernel:
                         mLsePart[(row0 + r) * num_splits + split] = lse[h]
 
 
-def compile_fake(latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int):
+def compile_fake(latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int, fp8_stages: int = 0,
+                 helix: bool = False):
     """Compile the kernel against symbolic tensors only (no GPU, no data), for ``CUTE_DSL_ARCH``.
 
     What a machine without a GPU can do: trace, lower, and assemble to a cubin
     (``CUTE_DSL_KEEP=ptx,cubin`` and ``CUTE_DSL_DUMP_DIR`` keep them). The backend compiles
     against the real tensors of its first call instead (same kernel, same dynamic dims).
+    ``fp8_stages > 0``: an FP8 E4M3 cache; ``helix``: rank-local page tables. Returns the
+    compiled kernel and the dynamic shared memory its launch asks for, in bytes.
     """
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    k = MLADecodeKernel(latent, rope, tokens_per_block, block_n, stages)
+    k = MLADecodeKernel(latent, rope, tokens_per_block, block_n, stages, fp8_stages, helix)
     d = latent + rope
+    kv_dtype = cutlass.Float8E4M3FN if fp8_stages else cutlass.BFloat16
     n_rows, n_slots, n_part, n_seqs, n_pages = (cute.sym_int32() for _ in range(5))
     args = (
         make_fake_compact_tensor(cutlass.BFloat16, (n_rows, d), stride_order=(1, 0), assumed_align=16),
-        make_fake_compact_tensor(cutlass.BFloat16, (n_slots, d), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(kv_dtype, (n_slots, d), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (n_part, latent), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (n_part,), assumed_align=16),
         make_fake_tensor(cutlass.Int32, (n_seqs, n_pages), (cute.sym_int32(), 1), assumed_align=4),
         make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
         make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
         make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
-        cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+        cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
         make_fake_stream(),
     )
-    return cute.compile(k, *args)
-
-
+    compiled = cute.compile(k, *args)
+    return compiled, k.storage.size_in_bytes()
 
 
 def register_layout_problems(block_ns=(16, 32, 64), half: int = 256) -> list[str]:

@@ -1,11 +1,14 @@
 """CuTe DSL paged MLA decode / verify for Hopper (sm90): the ``cute_mla`` backend.
 
-Status: the kernel compiles for ``sm_90a`` (on a CPU too, ``CUTE_DSL_ARCH=sm_90a``) and its
-register-layout assumptions are checked at compile time (``tests/test_cute_mla.py``), but it
-has **not run on a GPU yet**: ``VALIDATED_SM`` is empty, so :meth:`CuteMLABackend.supports`
-refuses every shape ("not yet validated on SM90") and the selector never picks it. FP8 E4M3
-caches and Helix are refused too (not implemented here). Add 90 to ``VALIDATED_SM`` only after
-the GPU tests pass on an H100/H200::
+Status: the kernel compiles for ``sm_90a`` (on a CPU too, ``CUTE_DSL_ARCH=sm_90a``) for bf16 and
+FP8 E4M3 caches, with and without Helix page tables, with no spills reported by ptxas (168
+registers a thread at compile time, ``setmaxnreg`` 40 / 232 at run time; 222,208 bytes of shared
+memory for every page size and both dtypes), and its register-layout assumptions are checked at
+compile time (``tests/test_cute_mla.py``), but it has **not run on a GPU yet**: ``VALIDATED_SM``
+is empty, so :meth:`CuteMLABackend.supports` refuses every shape ("not yet validated on SM90") and
+the selector never picks it. FP8 caches and Helix have gates of their own on top of it
+(``FP8_VALIDATED_SM``, ``HELIX_VALIDATED_SM``: ``TestGPU::test_fp8_*``, ``TestGPU::test_helix_*``).
+Add 90 to each only after its GPU tests pass on an H100/H200::
 
     pip install nvidia-cutlass-dsl==4.8.1   # 4.8.1 is what was compiled against
     PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
@@ -51,10 +54,54 @@ through page tables, V = the first 512 values of each cached row, output ``[T, H
   exactly (torch ops; one split is the same merge). ``attend(..., return_lse=True)`` returns
   the natural-log LSE, as ``triton_mla`` does, for Helix-style combines.
 
-Not done yet (in order): GPU validation; an FP8 E4M3 path (wgmma has no bf16 x e4m3 form: an
-in-shared-memory e4m3 -> bf16 conversion stage by the producer warpgroup); a fused merge
-(and bf16 output written by the kernel when there is one split); P shared through shared
-memory instead of recomputing S in both warpgroups; a persistent grid; Helix page tables.
+FP8 E4M3 cache (``fp8_stages > 0``)
+-----------------------------------
+wgmma has no bf16 x e4m3 form, so the tiles are converted in shared memory before the wgmmas:
+
+* Warp 0 of the producer warpgroup TMA-loads e4m3 tiles (``block_n`` x 576 bytes, 64-byte
+  swizzle) into a staging ring; warps 1-3 (96 threads, ``MLADecodeKernel.convert``) wait on
+  it, write each tile as bf16 into the 128-byte-swizzled ring the wgmmas read (the same tile
+  layout as the bf16 path), fence the generic-proxy writes for the async proxy and arrive on a
+  second pipeline (``PipelineAsync``) that the consumers wait on; they release the staging
+  slot to TMA. Each converter thread moves 8 values at a time (one 8-byte shared load, four
+  ``cvt.rn.f16x2.e4m3x2``, f16 -> f32 -> ``cvt.rn.bf16x2.f32``, one 16-byte shared store).
+  The converters also write zeros for the rows of the last tile past the request's keys, so
+  the FP8 consumers skip their own tail-zeroing pass and its barrier.
+* Exactness: every e4m3 value is a bf16 value, so the conversion is exact and unscaled. The
+  per-tensor ``kv_scale`` is folded instead: into the score scale (``scale * kv_scale *
+  log2 e``) for K, and into the epilogue's normaliser (``v_scale / l``) for V. Folding is
+  exact up to fp32 rounding; multiplying each value by ``kv_scale`` before the wgmmas would
+  round every product ``value * kv_scale`` to bf16 (8 significant bits) and cost a multiply
+  per value. P is rounded to bf16 as in the bf16 path; numerics are otherwise the bf16
+  path's (bf16 queries, fp32 accumulation).
+* Shared memory: tiles of ``min(32, page)`` keys (``kernel_config``), a bf16 ring of 64
+  keys (2 x 32 or 4 x 16: 72 KB) and an e4m3 staging ring of 128 keys (4 x 32 or 8 x 16:
+  72 KB), + Q 72 KB: 222,208 bytes with the barriers, as for bf16 (227 KB allowed). Tiles of
+  64 keys would leave room for one bf16 stage only (converter and consumers in lock step).
+* Cost, not measured yet: a 32-key tile is 18,432 values, 192 per converter thread, and each
+  pair of values takes three conversion instructions, which run at a fraction of the FMA
+  rate; ``triton_mla`` found e4m3 -> bf16 costly enough to run its FP8 dots in fp16 instead.
+  The converters work at the producer warpgroup's 40 registers.
+
+Helix (``helix``)
+-----------------
+Under Helix the plan's page tables are the rank's own (logical page ``p`` is local page
+``p // cp`` of rank ``p % cp``) and ``kv_lens`` stay global. Key ``k`` of a request is the
+``k``-th position the rank owns; the kernel turns every bound on positions into a count of
+owned positions with ``MLADecodeKernel.owned`` (``triton_mla._owned``; host copy
+:func:`~specdec.attention.mla_pack.owned_keys`): the request's keys (split chunks and the
+tail zeroing), the block's stop and each row's causal bound. The rest is unchanged. A row
+that sees none of the rank's keys gets output 0 and LSE ``-inf``. :meth:`CuteMLABackend.run`
+then exchanges the fp32 partials and LSEs by head, combines them and gathers the heads
+(:func:`~specdec.parallel.helix.exchange_heads`, :func:`~specdec.parallel.helix.gather_heads`;
+``local_heads`` keeps the rank's slice), as ``triton_mla`` and ``helix_ref`` do.
+
+Not done yet (in order): GPU validation (bf16, then FP8 and Helix); measuring the FP8
+converters against the consumers (if they are the bottleneck: fp16 dots as ``triton_mla``
+does, i.e. e4m3 -> f16 is one ``cvt`` per two values and Q is converted once per CTA with a
+power-of-two scale per row, or the consumers converting too); a fused merge (and bf16 output
+written by the kernel when there is one split); P shared through shared memory instead of
+recomputing S in both warpgroups; a persistent grid.
 """
 
 from __future__ import annotations
@@ -67,17 +114,23 @@ from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.mla_pack import (LOG2E, MLAPlan, choose_splits, merge_partials, padded_page_tables, row_blocks,
                                        sm_count)
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
+from specdec.parallel.helix import exchange_heads, gather_heads
 
 TOKENS_PER_BLOCK = (16, 32, 64, 128)
 LATENT, ROPE = 512, 64  # the only dims compiled and tested (DeepSeek-V3 / Kimi absorbed MLA)
 MAX_Q_LEN = 8
 MAX_HEADS = 128
 Q_DTYPES = ("bfloat16",)
-KV_DTYPES = ("bfloat16",)
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 BLOCK_M = 64
-# GPU archs on which tests/test_cute_mla.py::TestGPU has passed. Empty: never selected, never run
-# by a request. Add 90 only after that class passes on an H100/H200.
+SMEM_LIMIT = 227 * 1024  # an sm90 CTA's shared memory (kernel_config keeps every ring within it)
+# GPU archs on which tests/test_cute_mla.py::TestGPU has passed (bf16 cache, unsharded). Empty: never
+# selected, never run by a request. Add 90 only after that class passes on an H100/H200.
 VALIDATED_SM: tuple[int, ...] = ()
+# Likewise for the FP8 E4M3 cache (TestGPU::test_fp8_*) and Helix page tables (TestGPU::test_helix_*),
+# each on top of VALIDATED_SM.
+FP8_VALIDATED_SM: tuple[int, ...] = ()
+HELIX_VALIDATED_SM: tuple[int, ...] = ()
 # (kv_dtype, max_q_len) classes where bench/mla_decode.py measured cute_mla faster than triton_mla
 # on a validated arch; elsewhere cost() ranks it behind triton_mla.
 MEASURED_FASTER: frozenset[tuple[str, int]] = frozenset()
@@ -131,17 +184,19 @@ class CuteMLABackend(AttentionBackend):
 
     def supports(self, shape: AttnShape) -> Verdict:
         """Limits: MLA generation phases (decode or verify up to ``MAX_Q_LEN`` tokens), one latent
-        KV head of 512 + 64, ``num_heads <= 128``, pages of 16/32/64/128, bf16 queries and cache, no
-        Helix; cuda at an arch in ``VALIDATED_SM`` (empty until the GPU tests pass), with
-        ``nvidia-cutlass-dsl`` installed."""
+        KV head of 512 + 64, ``num_heads <= 128`` (under Helix, ``helix_cp > 1``: divisible by
+        ``helix_cp``, for the exchange by head), pages of 16/32/64/128, bf16 queries, a bf16 or FP8
+        E4M3 cache; cuda at an arch in ``VALIDATED_SM`` (empty until the GPU tests pass), FP8 also
+        in ``FP8_VALIDATED_SM`` and Helix in ``HELIX_VALIDATED_SM``, with ``nvidia-cutlass-dsl`` installed."""
         if shape.kind != "mla":
             return no(f"kind must be 'mla' (latent cache), got {shape.kind!r}")
         if shape.phase != "generation":
             return no(f"phase must be 'generation' (decode/verify), got {shape.phase!r}")
         if shape.num_kv_heads != 1:
             return no(f"num_kv_heads must be 1 (one latent head), got {shape.num_kv_heads}")
-        if shape.helix_cp != 1:
-            return no(f"Helix (helix_cp={shape.helix_cp}) is not implemented in cute_mla (rank-local page tables)")
+        if shape.num_heads % shape.helix_cp:
+            return no(f"Helix exchanges partials by head: num_heads ({shape.num_heads}) must be divisible by "
+                      f"helix_cp ({shape.helix_cp})")
         if shape.max_q_len > MAX_Q_LEN:
             return no(f"max_q_len must be <= {MAX_Q_LEN}, got {shape.max_q_len}")
         if shape.num_heads > MAX_HEADS:
@@ -155,9 +210,6 @@ class CuteMLABackend(AttentionBackend):
             return no(f"device must be cuda (a CuTe DSL kernel for sm90), got {shape.device}")
         if shape.q_dtype not in Q_DTYPES:
             return no(f"q_dtype must be one of {Q_DTYPES}, got {shape.q_dtype}")
-        if shape.kv_dtype == "float8_e4m3fn":
-            return no("FP8 E4M3 KV is not implemented in cute_mla yet (wgmma has no bf16 x e4m3 form; "
-                      "needs an in-shared-memory conversion stage)")
         if shape.kv_dtype not in KV_DTYPES:
             return no(f"kv_dtype must be one of {KV_DTYPES}, got {shape.kv_dtype}")
         if IMPORT_ERROR is not None:
@@ -167,6 +219,12 @@ class CuteMLABackend(AttentionBackend):
         if shape.sm not in VALIDATED_SM:
             return no(f"not yet validated on SM{shape.sm} (gate: tests/test_cute_mla.py::TestGPU; "
                       f"validated: {VALIDATED_SM})")
+        if shape.kv_dtype == "float8_e4m3fn" and shape.sm not in FP8_VALIDATED_SM:
+            return no(f"the FP8 E4M3 cache is not yet validated on SM{shape.sm} (gate: "
+                      f"tests/test_cute_mla.py::TestGPU::test_fp8_*; validated: {FP8_VALIDATED_SM})")
+        if shape.helix_cp > 1 and shape.sm not in HELIX_VALIDATED_SM:
+            return no(f"Helix (helix_cp={shape.helix_cp}) is not yet validated on SM{shape.sm} (gate: "
+                      f"tests/test_cute_mla.py::TestGPU::test_helix_*; validated: {HELIX_VALIDATED_SM})")
         return YES
 
     def cost(self, shape: AttnShape) -> float:
@@ -182,14 +240,20 @@ class CuteMLABackend(AttentionBackend):
         return sm_count(device, off_cuda=132)  # an H200's, for plans made on the CPU (tests)
 
     def plan(self, batch: PhaseBatch) -> CuteMLAPlan:
-        """Upload the phase's page tables and lengths (unsharded only)."""
-        tpb = batch.tokens_per_block
+        """Upload the phase's page tables and lengths.
+
+        Under Helix (``batch.shard`` with ``cp > 1``) the page tables are the rank's own and
+        ``kv_lens`` global; a request needs only the pages of the positions the rank owns.
+        """
+        tpb, dev = batch.tokens_per_block, batch.device
         if tpb not in TOKENS_PER_BLOCK:
             raise ValueError(f"cute_mla: tokens_per_block must be one of {TOKENS_PER_BLOCK}, got {tpb}")
-        if batch.shard is not None and getattr(batch.shard, "cp", 1) > 1:
-            raise ValueError("cute_mla: Helix shards are not supported")
-        dev = batch.device
-        page_table, q_lens, q_start = padded_page_tables("cute_mla", batch.q_lens, batch.kv_lens, batch.kv_lens,
+        shard = batch.shard if batch.shard is not None and batch.shard.cp > 1 else None
+        if shard is not None and shard.layout.tokens_per_block != tpb:
+            raise ValueError(f"cute_mla: the Helix layout's pages hold {shard.layout.tokens_per_block} tokens, "
+                             f"the batch's {tpb}")
+        keys = batch.kv_lens if shard is None else [shard.layout.local_length(kv, shard.rank) for kv in batch.kv_lens]
+        page_table, q_lens, q_start = padded_page_tables("cute_mla", batch.q_lens, batch.kv_lens, keys,
                                                          batch.page_tables, tpb, dev)
         return CuteMLAPlan(
             page_table=page_table,
@@ -199,30 +263,45 @@ class CuteMLABackend(AttentionBackend):
             num_seqs=len(batch.q_lens),
             num_tokens=batch.num_tokens,
             max_q_len=max(batch.q_lens),
-            max_kv_len=max(batch.kv_lens),
+            max_kv_len=max(keys),
             tokens_per_block=tpb,
             num_sms=self._num_sms(dev),
+            shard=shard,
         )
 
-    def splits_for(self, plan: CuteMLAPlan, num_heads: int) -> int:
+    def splits_for(self, plan: CuteMLAPlan, num_heads: int, *, fp8: bool = False) -> int:
         """KV splits of a launch: fixed, or the makespan model over one CTA per SM."""
         if self.num_splits is not None:
             return self.num_splits
-        block_n, _ = kernel_config(plan.tokens_per_block)
+        block_n = kernel_config(plan.tokens_per_block, fp8=fp8)[0]
         ctas = plan.num_seqs * row_blocks(plan.max_q_len, num_heads, BLOCK_M)
         return choose_splits(ctas, plan.max_kv_len, plan.num_sms, block_n=block_n)
 
     def run(self, plan: CuteMLAPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
-            scale: float, v_head_dim: int, *, kv_scale: float = 1.0) -> torch.Tensor:
+            scale: float, v_head_dim: int, *, kv_scale: float = 1.0, local_heads: bool = False) -> torch.Tensor:
+        """Attend the phase's queries over the latent cache (``TritonMLABackend.run``'s contract).
+
+        Unsharded: one :meth:`attend`. Under Helix every rank of the group calls this for the same
+        phase: each attends over its own pages, the fp32 partials and their LSEs are exchanged by
+        head and combined (:func:`~specdec.parallel.helix.exchange_heads`), and the heads gathered
+        back (``local_heads``: the rank's head slice ``[T, H / cp, latent]`` instead).
+        """
         if v_cache is not None:
             raise ValueError("cute_mla reads V from the latent cache; v_cache must be None")
-        return self.attend(plan, q, k_cache, scale, v_head_dim, kv_scale=kv_scale)
+        if plan.shard is None:
+            return self.attend(plan, q, k_cache, scale, v_head_dim, kv_scale=kv_scale)
+        out, lse = self.attend(plan, q, k_cache, scale, v_head_dim, kv_scale=kv_scale, return_lse=True,
+                               out_dtype=torch.float32)  # [T, H, Dv], [T, H]
+        head_slice = exchange_heads(out, lse, plan.shard.group).to(q.dtype)  # [T, H / cp, Dv]
+        return head_slice if local_heads else gather_heads(head_slice, plan.shard.group)
 
     def attend(self, plan: CuteMLAPlan, q: torch.Tensor, k_cache: torch.Tensor, scale: float, v_head_dim: int, *,
                kv_scale: float = 1.0, return_lse: bool = False, out_dtype: torch.dtype | None = None,
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Same contract as ``TritonMLABackend.attend``: ``out [T, H, latent]`` (and with ``return_lse``
-        the natural-log LSE ``[T, H]`` fp32 of ``scale * kv_scale * q . k``)."""
+        the natural-log LSE ``[T, H]`` fp32 of ``scale * kv_scale * q . k``); bf16 queries, a bf16 or
+        FP8 E4M3 cache (``kv_scale``: its per-tensor dequantisation scale). Under Helix (a plan with a
+        shard) a partial over this rank's pages: a row that sees none of them has ``out = 0``, ``lse = -inf``."""
         if _kernel is None:
             raise RuntimeError(f"cute_mla needs nvidia-cutlass-dsl ({IMPORT_ERROR})")
         num_tokens, num_heads, head_dim = q.shape
@@ -231,26 +310,26 @@ class CuteMLABackend(AttentionBackend):
                              f"({plan.num_tokens} tokens, one latent head of width {head_dim})")
         if (v_head_dim, head_dim - v_head_dim) != (LATENT, ROPE):
             raise ValueError(f"cute_mla: only {LATENT} + {ROPE} is compiled, got {v_head_dim} + {head_dim - v_head_dim}")
-        if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
-            raise ValueError(f"cute_mla: bf16 queries and cache only, got q {q.dtype}, cache {k_cache.dtype}")
+        if q.dtype != torch.bfloat16 or k_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"cute_mla: bf16 queries and a bf16 or float8_e4m3fn cache only, got q {q.dtype}, "
+                             f"cache {k_cache.dtype}")
         if not k_cache.is_contiguous():
             raise ValueError("cute_mla: k_cache must be contiguous")
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
         q = q.contiguous()
-        splits = self.splits_for(plan, num_heads)
+        splits = self.splits_for(plan, num_heads, fp8=fp8)
         n_rows = num_tokens * num_heads
         o_part = torch.empty(n_rows * splits, v_head_dim, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(n_rows * splits, dtype=torch.float32, device=q.device)
         grid_m = row_blocks(plan.max_q_len, num_heads, BLOCK_M)
         self._launch(plan, q.view(n_rows, head_dim), k_cache.view(-1, head_dim), o_part, lse_part,
-                     scale * kv_scale * LOG2E, num_heads, splits, grid_m)
+                     scale * kv_scale * LOG2E, kv_scale, num_heads, splits, grid_m)
         out, lse = merge_partials(o_part.view(n_rows, splits, v_head_dim), lse_part.view(n_rows, splits),
-                                  torch.float32)
-        if kv_scale != 1.0:
-            out = out * kv_scale
-        out = out.to(out_dtype or q.dtype).view(num_tokens, num_heads, v_head_dim)
+                                  out_dtype or q.dtype)
+        out = out.view(num_tokens, num_heads, v_head_dim)
         return (out, lse.view(num_tokens, num_heads)) if return_lse else out
 
-    def _launch(self, plan, q2, kv2, o_part, lse_part, scale_log2, num_heads, splits, grid_m) -> None:
+    def _launch(self, plan, q2, kv2, o_part, lse_part, scale_log2, v_scale, num_heads, splits, grid_m) -> None:
         import cuda.bindings.driver as cuda_driver
         import cutlass
         from cutlass.cute.runtime import from_dlpack
@@ -258,24 +337,34 @@ class CuteMLABackend(AttentionBackend):
         def dyn_rows(t):  # dim 0 dynamic, inner dims static: one compile serves every batch
             return from_dlpack(t, assumed_align=16).mark_compact_shape_dynamic(mode=0)
 
+        cp, rank = (plan.shard.cp, plan.shard.rank) if plan.shard is not None else (1, 0)
         args = (dyn_rows(q2), dyn_rows(kv2), dyn_rows(o_part), dyn_rows(lse_part),
                 from_dlpack(plan.page_table, assumed_align=4).mark_layout_dynamic(leading_dim=1),
                 dyn_rows(plan.kv_lens), dyn_rows(plan.q_start), dyn_rows(plan.q_lens),
-                cutlass.Float32(scale_log2), cutlass.Int32(num_heads), cutlass.Int32(splits),
-                cutlass.Int32(grid_m), cutlass.Int32(plan.num_seqs),
+                cutlass.Float32(scale_log2), cutlass.Float32(v_scale), cutlass.Int32(num_heads),
+                cutlass.Int32(splits), cutlass.Int32(grid_m), cutlass.Int32(plan.num_seqs),
+                cutlass.Int32(cp), cutlass.Int32(rank),
                 cuda_driver.CUstream(torch.cuda.current_stream(q2.device).cuda_stream if q2.is_cuda else 0))
-        key = (LATENT, ROPE, plan.tokens_per_block)
+        fp8 = kv2.dtype == torch.float8_e4m3fn
+        key = (LATENT, ROPE, plan.tokens_per_block, str(kv2.dtype).removeprefix("torch."), plan.shard is not None)
         if key not in self._compiled:
             import cutlass.cute as cute
 
-            block_n, stages = kernel_config(plan.tokens_per_block)
-            k = _kernel.MLADecodeKernel(LATENT, ROPE, plan.tokens_per_block, block_n, stages)
+            k = _kernel.MLADecodeKernel(LATENT, ROPE, plan.tokens_per_block,
+                                        *kernel_config(plan.tokens_per_block, fp8=fp8), helix=plan.shard is not None)
             self._compiled[key] = cute.compile(k, *args)
         self._compiled[key](*args)
 
 
-def kernel_config(tokens_per_block: int) -> tuple[int, int]:
-    """``(block_n, stages)`` for a page size (see the module docstring)."""
-    block_n = min(64, tokens_per_block)
-    return block_n, max(2, 128 // block_n)
+def kernel_config(tokens_per_block: int, fp8: bool = False) -> tuple[int, int, int]:
+    """``(block_n, stages, fp8_stages)`` for a page size and cache dtype (see the module docstring).
 
+    bf16: tiles of ``min(64, page)`` keys, a ring of 128 keys (2 x 64 ... 8 x 16), no staging.
+    FP8: tiles of ``min(32, page)`` keys, a bf16 ring of 64 keys and an e4m3 staging ring of 128.
+    Either way 144 KB of rings + 72 KB of Q (under ``SMEM_LIMIT``).
+    """
+    if fp8:
+        block_n = min(32, tokens_per_block)
+        return block_n, max(2, 64 // block_n), max(2, 128 // block_n)
+    block_n = min(64, tokens_per_block)
+    return block_n, max(2, 128 // block_n), 0
