@@ -11,6 +11,7 @@ from specdec.drafters.base import (
 )
 from specdec.drafters.dflash import BlockDrafter, DFlashDrafter, DSparkDrafter
 from specdec.drafters.dspark_mla import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSparkDrafter
+from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "MLADSparkDrafter",
     "Draft",
     "Drafter",
+    "HybridDrafter",
     "NullDrafter",
     "SuffixAutomatonDrafter",
     "available_drafters",

@@ -1,0 +1,139 @@
+"""A learned block drafter and the suffix drafter side by side: each step, each request takes
+the draft with more expected accepted tokens.
+
+The two fail in different places. The suffix drafter is right where the text repeats (code that
+echoes its prompt, lists, quotes) and proposes nothing elsewhere; a block drafter proposes
+everywhere but, conditioned only on the target's hidden states, is less sure of long spans.
+Both give each drafted token a confidence: DSpark's confidence head (the probability the token
+is accepted given that the ones before it were) and the suffix automaton's continuation counts.
+The expected number of accepted tokens of a chain with confidences ``c_1 .. c_k`` is
+``c_1 + c_1 c_2 + ... + c_1 ... c_k``; :func:`expected_accepted` computes it and
+:class:`HybridDrafter` keeps, per request, the draft where it is larger (the learned one on ties).
+
+Lossless whatever it picks: the target verifies every draft. The KV and hidden-state hooks are
+the learned drafter's (the suffix drafter has no KV layers and reads only token ids).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specdec.drafters.base import Draft, Drafter, register_drafter
+from specdec.errors import ConfigError
+
+
+def expected_accepted(draft: Draft, default: float) -> float:
+    """Expected accepted tokens of a chain draft: ``sum_i prod_{j <= i} c_j``.
+
+    Args:
+        draft: the draft; its ``confidence`` (``[k]`` in [0, 1]) or, where it has none,
+            ``default`` for every token.
+        default: the per-token confidence assumed for a draft without one.
+    """
+    conf = draft.confidence if draft.confidence is not None else (default,) * len(draft)
+    total, p = 0.0, 1.0
+    for c in conf:
+        p *= c
+        total += p
+    return total
+
+
+@register_drafter("hybrid")
+class HybridDrafter(Drafter):
+    """DSpark (or any block drafter) beside the suffix drafter; per request and step, the draft
+    with more expected accepted tokens (:func:`expected_accepted`) is proposed.
+
+    Args:
+        learned: the block drafter (default: the shipped DSpark, whose confidence head scores
+            its drafts). Its hooks (KV layers, hidden states, ``shift_label``) are this drafter's.
+        suffix: the suffix drafter (default: ``SuffixAutomatonDrafter()``).
+        default_confidence: per-token confidence assumed for a draft that carries none (a
+            learned drafter without a confidence head, e.g. DFlash), in ``[0, 1]``.
+
+    ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``) and the requests
+    for which neither drafted (``"none"``).
+
+    Raises:
+        ConfigError: ``learned`` reads no target hidden states, ``suffix`` has KV layers, or
+            ``default_confidence`` is outside ``[0, 1]``.
+    """
+
+    def __init__(self, learned: Drafter | None = None, suffix: Drafter | None = None,
+                 default_confidence: float = 0.6):
+        from specdec.drafters.dflash import DSparkDrafter
+        from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
+
+        learned = DSparkDrafter() if learned is None else learned
+        suffix = SuffixAutomatonDrafter() if suffix is None else suffix
+        if not learned.target_layer_ids:
+            raise ConfigError(f"learned must be a drafter conditioned on the target (a block drafter), "
+                              f"got {type(learned).__name__}")
+        if suffix.kv_layer_specs() or suffix.target_layer_ids:
+            raise ConfigError(f"suffix must be a model-free drafter (no KV layers, no hidden states), "
+                              f"got {type(suffix).__name__}")
+        if not isinstance(default_confidence, (int, float)) or not 0.0 <= default_confidence <= 1.0:
+            raise ConfigError(f"default_confidence must be a float in [0, 1], got {default_confidence!r}")
+        self.learned, self.suffix, self.default_confidence = learned, suffix, float(default_confidence)
+        self.shift_label = learned.shift_label
+        self.reads_helix_sharded_ctx_pages = learned.reads_helix_sharded_ctx_pages
+        self.vocab_size = learned.vocab_size
+        self.target_layer_ids = learned.target_layer_ids
+        self.stats = {"learned": 0, "suffix": 0, "none": 0}
+
+    # -- hooks: the learned drafter's ---------------------------------------------
+    def kv_layer_specs(self):
+        return self.learned.kv_layer_specs()
+
+    def reads_managed_ctx_pages(self, tokens_per_block: int) -> bool:
+        return self.learned.reads_managed_ctx_pages(tokens_per_block)
+
+    # -- lifecycle: both ------------------------------------------------------------
+    def bind(self, target, kv) -> None:
+        self.learned.bind(target, kv)
+        self.suffix.bind(target, None)
+
+    def start_request(self, req_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self.learned.start_request(req_id, prompt_token_ids)
+        self.suffix.start_request(req_id, prompt_token_ids)
+
+    def on_context(self, req_id: str, start: int, hidden) -> None:
+        self.learned.on_context(req_id, start, hidden)
+
+    def on_contexts(self, spans, hidden) -> None:
+        self.learned.on_contexts(spans, hidden)
+
+    def on_accepted(self, req_id: str, token_ids: Sequence[int]) -> None:
+        self.learned.on_accepted(req_id, token_ids)
+        self.suffix.on_accepted(req_id, token_ids)
+
+    def stop_request(self, req_id: str) -> None:
+        self.learned.stop_request(req_id)
+        self.suffix.stop_request(req_id)
+
+    def abort_request(self, req_id: str) -> None:
+        self.learned.abort_request(req_id)
+        self.suffix.abort_request(req_id)
+
+    def overlap(self) -> None:
+        self.learned.overlap()
+        self.suffix.overlap()
+
+    def capture_graphs(self, max_requests: int, max_context: int) -> int:
+        return self.learned.capture_graphs(max_requests, max_context)
+
+    def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
+        """Both drafters' drafts; per request the one with more expected accepted tokens."""
+        learned = self.learned.propose(req_ids, max_tokens)
+        suffix = self.suffix.propose(req_ids, max_tokens)
+        out = []
+        for a, b in zip(learned, suffix):
+            if not len(a) and not len(b):
+                self.stats["none"] += 1
+                out.append(a)
+            elif expected_accepted(b, self.default_confidence) > expected_accepted(a, self.default_confidence):
+                self.stats["suffix"] += 1
+                out.append(b)
+            else:
+                self.stats["learned"] += 1
+                out.append(a)
+        return out

@@ -1,0 +1,79 @@
+"""The hybrid drafter: per request, the draft (learned or suffix) with more expected accepted
+tokens; its choice as a pure function, its lifecycle forwarded to both, and lossless end to end."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
+from specdec import SamplingParams, SpecEngine
+from specdec.drafters import Draft, HybridDrafter, NullDrafter, SuffixAutomatonDrafter, make_drafter
+from specdec.drafters.hybrid import expected_accepted
+from specdec.errors import ConfigError
+
+confidences = hst.lists(hst.floats(0, 1), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf=confidences)
+def test_expected_accepted_is_the_expectation(conf):
+    """Brute force: every accept/reject pattern of the k tokens, weighted by its probability
+    (token i accepted with probability c_i given the ones before were); a chain stops at the
+    first rejection, so its accepted count is the length of the leading run of accepts."""
+    k, want = len(conf), 0.0
+    for pattern in itertools.product([True, False], repeat=k):
+        p = math.prod(c if ok else 1 - c for c, ok in zip(conf, pattern))
+        run = next((i for i, ok in enumerate(pattern) if not ok), k)
+        want += p * run
+    got = expected_accepted(Draft(tuple(range(k)), confidence=tuple(conf)), default=0.0)
+    assert got == pytest.approx(want, abs=1e-9)
+
+
+@given(k=hst.integers(0, 8), c=hst.floats(0, 1))
+def test_a_draft_without_confidences_counts_each_token_at_the_default(k, c):
+    assert expected_accepted(Draft(tuple(range(k))), c) == pytest.approx(
+        expected_accepted(Draft(tuple(range(k)), confidence=(c,) * k), 0.0))
+
+
+def test_bad_arguments_are_config_errors():
+    with pytest.raises(ConfigError, match="learned"):
+        HybridDrafter(learned=SuffixAutomatonDrafter())
+    with pytest.raises(ConfigError, match="default_confidence"):
+        HybridDrafter(default_confidence=1.5)
+    with pytest.raises(ConfigError, match="suffix"):
+        HybridDrafter(suffix=make_drafter("dspark"))
+
+
+def test_hooks_are_the_learned_drafters():
+    h = HybridDrafter()
+    d = h.learned
+    assert h.target_layer_ids == d.target_layer_ids and h.shift_label == d.shift_label == 1
+    assert h.kv_layer_specs() == d.kv_layer_specs()
+    assert h.reads_managed_ctx_pages(16) == d.reads_managed_ctx_pages(16)
+    assert h.reads_helix_sharded_ctx_pages == d.reads_helix_sharded_ctx_pages
+    assert make_drafter("hybrid").learned.config == d.config
+
+
+@pytest.mark.slow
+def test_hybrid_is_lossless_and_takes_both_drafts(smollm2):
+    """Real SmolLM2 in fp32 with the shipped DSpark and the suffix drafter: every output equals
+    the null drafter's, at batch 1 and 4; both drafters' drafts are taken; the request state of
+    both is freed when requests finish."""
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add3(a, b, c):", "Write a haiku about caches.",
+               "List the first ten prime numbers, one per line, then repeat the list.",
+               "Explain what a hash map is in two sentences.", "def fib(n):"]
+    params = SamplingParams(max_new_tokens=40)
+    base = [o.token_ids for o in SpecEngine(smollm2, NullDrafter(), tokens_per_block=16).generate(prompts, params)]
+    for batch in (1, 4):
+        h = HybridDrafter()
+        engine = SpecEngine(smollm2, h, max_draft_tokens=7, tokens_per_block=16)
+        outs = []
+        for i in range(0, len(prompts), batch):
+            outs += [o.token_ids for o in engine.generate(prompts[i:i + batch], params)]
+        assert outs == base, batch
+        assert h.stats["learned"] > 0 and h.stats["suffix"] > 0, h.stats
+        assert not h.suffix._requests and not h.learned._tokens
