@@ -127,8 +127,12 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         engine.runner.stats[k] = 0
     engine.runner.stats["eager_reasons"].clear()
     engine.runner.stats["backends"].clear()
-    dstats = getattr(drafter, "stats", None)  # a block drafter's propose graphs: what the timed run did
+    # a block drafter's propose graphs (a hybrid's learned drafter's): what the timed run did
+    block = getattr(drafter, "learned", drafter)
+    dstats = getattr(block, "stats", None) if hasattr(block, "cuda_graphs") else None
     compile_s = dstats.get("compile_s", 0.0) if dstats else 0.0
+    if block is not drafter:
+        drafter.stats.update({k: 0 for k in drafter.stats})
     if dstats:
         for k in ("graph_proposes", "eager_proposes", "graphs_captured", "capture_s"):
             dstats[k] = 0
@@ -167,6 +171,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
                             for o in outs],
             "batch_s": batch_s,
             "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
+            **({"hybrid_stats": dict(drafter.stats)} if block is not drafter else {}),
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
                                   "compile_s_untimed": compile_s}} if dstats else {}),
             **({"cprofile": profile} if profile else {})}
@@ -362,6 +367,10 @@ def main() -> None:
                 if dl.get("steps"):
                     text.append(f"- {name}: the confidence cut kept {dl['kept']:,} of {dl['drafted']:,} drafted tokens "
                                 f"over {dl['steps']:,} steps")
+                hs = r.get("hybrid_stats")
+                if hs:
+                    text.append(f"- {name}: drafts taken from the learned drafter {hs['learned']:,}, from the suffix "
+                                f"drafter {hs['suffix']:,}, neither drafted {hs['none']:,}")
                 ds = r.get("drafter_stats")
                 if ds:
                     text.append(f"- {name}: propose graphs {ds['graph_proposes']:,}/"

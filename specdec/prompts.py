@@ -44,15 +44,25 @@ def humaneval_prompts(indices: range | list[int] = DEV_SPLIT) -> list[str]:
     return [f"Complete the following Python function.\n\n```python\n{problems[i]['prompt']}```" for i in indices]
 
 
-def parse_range(text: str) -> range:
-    """``"100-163"`` or ``"0:10"`` or ``"5"`` → a range (inclusive ``a-b``)."""
-    try:
-        if "-" in text:
-            a, b = text.split("-")
-            return range(int(a), int(b) + 1)
-        if ":" in text:
-            a, b = text.split(":")
-            return range(int(a), int(b))
-        return range(int(text), int(text) + 1)
-    except ValueError:
-        raise ConfigError(f"problem range must look like '100-163', '0:10' or '5', got {text!r}") from None
+def parse_range(text: str) -> list[int]:
+    """``"100-163"`` (inclusive) or ``"0:10"`` or ``"5"``, or several of them joined by commas
+    (``"0-3,10-13"``) → the indices, in that order.
+
+    Raises:
+        ConfigError: a part is none of these forms.
+    """
+    out: list[int] = []
+    for part in text.split(","):
+        try:
+            if "-" in part:
+                a, b = part.split("-")
+                out += range(int(a), int(b) + 1)
+            elif ":" in part:
+                a, b = part.split(":")
+                out += range(int(a), int(b))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ConfigError(f"problem range must look like '100-163', '0:10', '5' or several joined by commas "
+                              f"('0-3,10-13'), got {text!r}") from None
+    return out

@@ -225,3 +225,19 @@ def test_progress_bar_completes_when_requests_end_on_eos(tiny, capsys):
 def test_printed_stats_show_tokens_per_second(tiny):
     out = SpecEngine(tiny).generate([[1, 2, 3]], max_new_tokens=5, ignore_eos=True)[0]
     assert "5 tokens" in str(out.stats) and "tokens/s" in str(out.stats) and "mean accepted length" in str(out.stats)
+
+
+@pytest.mark.parametrize("text,want", [("100-103", [100, 101, 102, 103]), ("0:3", [0, 1, 2]), ("5", [5]),
+                                       ("0-1,10-11,20", [0, 1, 10, 11, 20])])
+def test_problem_ranges(text, want):
+    from specdec.prompts import parse_range
+
+    assert parse_range(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "a-b", "1-2-3", "0-3,", "1;2"])
+def test_bad_problem_ranges_are_config_errors(text):
+    from specdec.prompts import parse_range
+
+    with pytest.raises(ConfigError, match="problem range"):
+        parse_range(text)
