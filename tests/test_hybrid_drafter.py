@@ -46,6 +46,9 @@ def test_bad_arguments_are_config_errors():
         HybridDrafter(default_confidence=1.5)
     with pytest.raises(ConfigError, match="suffix"):
         HybridDrafter(suffix=make_drafter("dspark"))
+    with pytest.raises(ConfigError, match="torch_compile"):
+        HybridDrafter(torch_compile="yes")
+    assert make_drafter("hybrid", torch_compile=True).learned.torch_compile is True
 
 
 def test_hooks_are_the_learned_drafters():

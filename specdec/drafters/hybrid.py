@@ -49,17 +49,20 @@ class HybridDrafter(Drafter):
         suffix: the suffix drafter (default: ``SuffixAutomatonDrafter()``).
         default_confidence: per-token confidence assumed for a draft that carries none (a
             learned drafter without a confidence head, e.g. DFlash), in ``[0, 1]``.
+        torch_compile: set the learned drafter's ``torch_compile`` (its propose compiled, see
+            :class:`~specdec.drafters.dflash.BlockDrafter`); ``None`` leaves it as it is.
 
     ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``) and the requests
     for which neither drafted (``"none"``).
 
     Raises:
         ConfigError: ``learned`` reads no target hidden states, ``suffix`` has KV layers, or
-            ``default_confidence`` is outside ``[0, 1]``.
+            ``default_confidence`` is outside ``[0, 1]``, or ``torch_compile`` is given for a
+            learned drafter that has no such setting.
     """
 
     def __init__(self, learned: Drafter | None = None, suffix: Drafter | None = None,
-                 default_confidence: float = 0.6):
+                 default_confidence: float = 0.6, torch_compile: bool | None = None):
         from specdec.drafters.dflash import DSparkDrafter
         from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
 
@@ -73,6 +76,10 @@ class HybridDrafter(Drafter):
                               f"got {type(suffix).__name__}")
         if not isinstance(default_confidence, (int, float)) or not 0.0 <= default_confidence <= 1.0:
             raise ConfigError(f"default_confidence must be a float in [0, 1], got {default_confidence!r}")
+        if torch_compile is not None:
+            if not hasattr(learned, "torch_compile"):
+                raise ConfigError(f"torch_compile: {type(learned).__name__} has no compiled propose")
+            learned.torch_compile = torch_compile
         self.learned, self.suffix, self.default_confidence = learned, suffix, float(default_confidence)
         self.shift_label = learned.shift_label
         self.reads_helix_sharded_ctx_pages = learned.reads_helix_sharded_ctx_pages
