@@ -108,6 +108,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         elif variant in ENGINE_VARIANTS:
             engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
         elif variant in DRAFTER_VARIANTS:
+            if kind not in ("dflash", "dspark", "dspark_mla", "hybrid"):
+                raise SystemExit(f"{drafter_name}: '+{variant}' needs a block drafter (dflash, dspark, hybrid)")
             kwargs.update(DRAFTER_VARIANTS[variant])
         else:
             raise SystemExit(f"unknown drafter variant {variant!r} in {drafter_name!r} "

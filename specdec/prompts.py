@@ -56,6 +56,8 @@ def parse_range(text: str) -> list[int]:
         try:
             if "-" in part:
                 a, b = part.split("-")
+                if int(b) < int(a):
+                    raise ValueError(part)
                 out += range(int(a), int(b) + 1)
             elif ":" in part:
                 a, b = part.split(":")

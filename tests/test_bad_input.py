@@ -235,7 +235,7 @@ def test_problem_ranges(text, want):
     assert parse_range(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "a-b", "1-2-3", "0-3,", "1;2"])
+@pytest.mark.parametrize("text", ["", "a-b", "1-2-3", "0-3,", "1;2", "5-3"])
 def test_bad_problem_ranges_are_config_errors(text):
     from specdec.prompts import parse_range
 

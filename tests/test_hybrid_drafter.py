@@ -80,3 +80,56 @@ def test_hybrid_is_lossless_and_takes_both_drafts(smollm2):
         assert outs == base, batch
         assert h.stats["learned"] > 0 and h.stats["suffix"] > 0, h.stats
         assert not h.suffix._requests and not h.learned._tokens
+
+
+def _bound_hybrid(smollm2):
+    h = HybridDrafter()
+    engine = SpecEngine(smollm2, h, max_draft_tokens=7, tokens_per_block=16)
+    return h, engine
+
+
+@pytest.mark.slow
+def test_a_learned_drafter_fault_leaves_the_suffix_drafts(smollm2, monkeypatch):
+    """The learned drafter raises in every propose: the hybrid warns once, counts it, drafts from
+    the suffix automaton, and outputs stay the null drafter's."""
+    prompt = "List the first ten prime numbers, one per line, then repeat the list."
+    params = SamplingParams(max_new_tokens=48)
+    want = SpecEngine(smollm2, NullDrafter(), tokens_per_block=16).generate([prompt], params)[0].token_ids
+    h, engine = _bound_hybrid(smollm2)
+
+    def broken(*a, **k):
+        raise RuntimeError("drafter network failed")
+
+    monkeypatch.setattr(h.learned, "propose", broken)
+    with pytest.warns(RuntimeWarning, match="learned drafter"):
+        out = engine.generate([prompt], params)[0]
+    assert out.token_ids == want
+    assert h.stats["learned_errors"] > 1 and h.stats["suffix"] > 0 and h.stats["learned"] == 0
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.slow
+def test_abort_and_stop_reach_both_drafters_even_if_one_raises(smollm2, monkeypatch):
+    h, engine = _bound_hybrid(smollm2)
+    engine.add_request("def fib(n):", SamplingParams(max_new_tokens=30), req_id="a")
+    engine.add_request("Write a haiku about caches.", SamplingParams(max_new_tokens=30), req_id="b")
+    engine.step()
+    engine.abort("a")
+    assert "a" not in h.suffix._requests and "a" not in h.learned._tokens
+
+    def broken(req_id):
+        raise RuntimeError("stop failed")
+
+    monkeypatch.setattr(h.learned, "stop_request", broken)
+    with pytest.raises(RuntimeError, match="stop failed"):
+        h.stop_request("b")
+    assert "b" not in h.suffix._requests  # the suffix drafter forgot it all the same
+
+
+def test_settings_and_figures_are_the_two_drafters():
+    h = HybridDrafter()
+    h.cuda_graphs = False
+    h.torch_compile = True
+    assert h.learned.cuda_graphs is False and h.learned.torch_compile is True
+    assert h.cuda_graphs is False and h.torch_compile is True
+    assert h.global_tokens == h.suffix.global_tokens and h.global_rebuilds == h.suffix.global_rebuilds

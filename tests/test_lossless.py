@@ -98,6 +98,8 @@ def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, dra
     for i, (base, spec) in enumerate(zip(baseline, outs)):
         assert spec.token_ids == base.token_ids, f"prompt {i} diverged ({drafter_cls.__name__}, batch {batch_size})"
     assert sum(o.stats.accepted for o in outs) > 0
+    # compiled: it stayed compiled (a failed compile, or torch's recompile limit, would turn it off)
+    assert drafter.torch_compile == compiled and drafter.stats["compile_errors"] == 0
     assert (drafter.stats["compile_s"] > 0) == compiled
     if draft_length == "confidence":
         s = engine.draft_length_stats

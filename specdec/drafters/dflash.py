@@ -27,7 +27,9 @@ arrive, are written at once. Without a scratch slot every write is immediate.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,14 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "checkpoints"
 CTX_BUCKET = 256
 #: Most requests a padded propose (and a captured graph) holds; more run unpadded, eagerly.
 MAX_PADDED_REQUESTS = 256
+
+
+def _recompile_limit_raises():
+    """A context in which reaching torch's recompile limit raises (instead of silently running
+    the function uncompiled), where this torch has the setting."""
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+    return contextlib.nullcontext()
 
 
 def propose_buckets(max_requests: int, max_context: int) -> list[tuple[int, int]]:
@@ -82,13 +92,15 @@ class BlockDrafter(Drafter):
             keys) instead of launching the network eagerly; an attribute, may be changed
             between calls. ``stats`` counts graph and eager proposes (and why eager).
         torch_compile: run the propose's network pass (:meth:`_draft`: staged context writes,
-            gathers, layers, drafting head) through ``torch.compile`` (inductor; shapes that vary
-            between calls become dynamic at the first recompile; one graph), so that its elementwise work is fused into few kernels; on CUDA the
-            compiled pass is what each bucket's graph captures. It is compiled at the first
-            propose, or by :meth:`capture_graphs` before serving (tens of seconds). The network's
-            weights are read as that first run finds them: change them and build a new drafter.
-            Not under Helix (its proposes exchange partials between ranks: they run eagerly).
-            ``stats["compile_s"]`` is the time the first compiled run took.
+            gathers, layers, drafting head) through ``torch.compile`` (inductor, dynamic sizes,
+            one graph), so that its elementwise work is fused into few kernels; on CUDA the
+            compiled pass is what each bucket's graph captures. It compiles at the first propose,
+            or in :meth:`capture_graphs` before serving (tens of seconds; :meth:`_run_draft`).
+            The network's weights, and the target's embedding and LM head, are read as the first
+            run after :meth:`bind` finds them: change the weights and build a new drafter. Not
+            under Helix (its proposes exchange partials between ranks: they run eagerly).
+            ``stats["compile_s"]``: the time of the first compiled run; ``stats["compile_errors"]``:
+            compiles that failed (the drafter then runs eagerly).
     """
 
     reads_helix_sharded_ctx_pages = False
@@ -126,7 +138,7 @@ class BlockDrafter(Drafter):
         #: pad shapes into buckets (set at bind: True on CUDA); tests may set it on the CPU
         self.pad_shapes = False
         self.stats = {"graph_proposes": 0, "eager_proposes": 0, "graphs_captured": 0, "capture_s": 0.0,
-                      "compile_s": 0.0, "eager_reasons": Counter()}
+                      "compile_s": 0.0, "compile_errors": 0, "eager_reasons": Counter()}
         self._rope: RopeTable | None = None
         self._iota: torch.Tensor | None = None
         self._mempool = None
@@ -190,6 +202,7 @@ class BlockDrafter(Drafter):
         self.net.to(device=target.device, dtype=target.dtype)
         self._embed, self._lm_head, self.kv = target.embed, target.lm_head, kv
         self.pad_shapes = target.device.type == "cuda"
+        self._compiled = None  # its first run reads the new target's embedding / LM head products afresh
         self._pending.clear()
         self._defer, self._ctx_stage = 0, None
         if getattr(kv, "scratch_slot", None) is not None:
@@ -436,27 +449,56 @@ class BlockDrafter(Drafter):
     def _run_draft(self, packed: torch.Tensor, cols: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_draft`, compiled when ``torch_compile`` asks for it (see the class doc).
 
-        The first compiled call runs the pass eagerly once (the network's stacked weights are
-        cached then, so the compiled graph reads them instead of stacking them every time; its
-        context writes are idempotent), then compiles and runs it. Inside a graph capture the
-        compiled pass has already run on the warm-up, so nothing compiles during a capture.
+        The compiled pass reads all keys of the packed pages (those past a context are masked
+        anyway) and drafts every slot (sliced after); a single request or page is padded to two
+        (a padding row, an unused page), so that only sizes vary and one dynamic graph serves
+        every call. The first call runs the pass eagerly once (the network's stacked weights are
+        cached then, so the compiled graph reads them instead of stacking them every call; context
+        writes are idempotent), then compiles. Inside a graph capture the compiled pass has run
+        on the warm-up with the same inputs, so nothing compiles during a capture. A compile
+        failure, or torch's recompile limit, turns ``torch_compile`` off with a warning
+        (``stats["compile_errors"]``) and the call runs eagerly.
         """
         if not self.torch_compile or getattr(self, "_shard", None) is not None:
             return self._draft(packed, cols, width)
-        # One shape family for every call: all keys of the packed pages (those past a context are
-        # masked out anyway) and every slot (sliced after), so that only the sizes vary.
-        c = self.config
-        for dim in (0, 1):  # requests and pages: compiled for any size from the start
-            torch._dynamo.maybe_mark_dynamic(packed, dim)
-        if self._compiled is None:
-            t0 = time.perf_counter()
-            self._draft(packed, None, c.draft_width)
-            self._compiled = torch.compile(self._draft)
-            tokens, conf = self._compiled(packed, None, c.draft_width)
-            self.stats["compile_s"] += time.perf_counter() - t0
-        else:
-            tokens, conf = self._compiled(packed, None, c.draft_width)
-        return tokens[:, :width], None if conf is None else conf[:, :width]
+        rows, c = packed.shape[0], self.config
+        try:
+            padded = self._at_least_two(packed)
+            for dim in (0, 1):  # requests and pages
+                torch._dynamo.maybe_mark_dynamic(padded, dim)
+            with _recompile_limit_raises():
+                if self._compiled is None:
+                    t0 = time.perf_counter()
+                    self._draft(padded, None, c.draft_width)
+                    self._compiled = torch.compile(type(self)._draft)  # unbound: no cycle through self
+                    tokens, conf = self._compiled(self, padded, None, c.draft_width)
+                    self.stats["compile_s"] += time.perf_counter() - t0
+                else:
+                    tokens, conf = self._compiled(self, padded, None, c.draft_width)
+        except Exception as e:  # noqa: BLE001 - the eager pass is the same computation
+            self.torch_compile, self._compiled = False, None
+            self.stats["compile_errors"] += 1
+            warnings.warn(f"{type(self).__name__}: the compiled propose failed ({type(e).__name__}: {e}); "
+                          "torch_compile is now off and proposes run eagerly", RuntimeWarning, stacklevel=2)
+            return self._draft(packed, cols, width)
+        return tokens[:rows, :width], None if conf is None else conf[:rows, :width]
+
+    def _at_least_two(self, packed: torch.Tensor) -> torch.Tensor:
+        """``packed`` with at least two rows and two pages (device ops only: capturable). An added
+        row is a padding row (empty context; its staged writes go to the scratch slot); an added
+        page column is page 0, whose keys are past every context (masked)."""
+        B, D = self.config.block_size, self._defer
+        head = 2 * B + 1 + 3 * D
+        if packed.shape[1] - head < 2:
+            packed = torch.cat([packed, packed.new_zeros(packed.shape[0], head + 2 - packed.shape[1])], 1)
+        if packed.shape[0] < 2:
+            pad = packed[:1].clone()
+            pad[:, 2 * B] = 0
+            if D:
+                pad[:, 2 * B + 1:2 * B + 1 + 2 * D] = 0
+                pad[:, 2 * B + 1 + 2 * D:head] = self.kv.scratch_slot
+            packed = torch.cat([packed, pad])
+        return packed
 
     def _replay(self, packed: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafted tokens ``[rows, draft_width]`` (and confidences) of the bucket's graph (captured on first use)."""

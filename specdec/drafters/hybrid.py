@@ -4,11 +4,13 @@ the draft with more expected accepted tokens.
 The two fail in different places. The suffix drafter is right where the text repeats (code that
 echoes its prompt, lists, quotes) and proposes nothing elsewhere; a block drafter proposes
 everywhere but, conditioned only on the target's hidden states, is less sure of long spans.
-Both give each drafted token a confidence: DSpark's confidence head (the probability the token
-is accepted given that the ones before it were) and the suffix automaton's continuation counts.
-The expected number of accepted tokens of a chain with confidences ``c_1 .. c_k`` is
+Both give each drafted token a confidence: DSpark's confidence head (trained and calibrated to
+the probability the token is accepted given that the ones before it were) and the suffix
+automaton's continuation counts (a frequency, not calibrated: a continuation seen once scores
+1.0). The expected number of accepted tokens of a chain with confidences ``c_1 .. c_k`` is
 ``c_1 + c_1 c_2 + ... + c_1 ... c_k``; :func:`expected_accepted` computes it and
-:class:`HybridDrafter` keeps, per request, the draft where it is larger (the learned one on ties).
+:class:`HybridDrafter` keeps, per request, the draft where it is larger by the drafters' own
+estimates (the learned one on ties). The rule was fixed before any measurement, not tuned.
 
 Lossless whatever it picks: the target verifies every draft. The KV and hidden-state hooks are
 the learned drafter's (the suffix drafter has no KV layers and reads only token ids).
@@ -16,6 +18,7 @@ the learned drafter's (the suffix drafter has no KV layers and reads only token 
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 from specdec.drafters.base import Draft, Drafter, register_drafter
@@ -52,8 +55,11 @@ class HybridDrafter(Drafter):
         torch_compile: set the learned drafter's ``torch_compile`` (its propose compiled, see
             :class:`~specdec.drafters.dflash.BlockDrafter`); ``None`` leaves it as it is.
 
-    ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``) and the requests
-    for which neither drafted (``"none"``).
+    ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``), the requests for
+    which neither drafted (``"none"``), and the proposes in which the learned drafter raised
+    (``"learned_errors"``: those steps take the suffix drafts, with a warning the first time).
+    ``cuda_graphs`` and ``torch_compile`` are the learned drafter's settings; ``global_tokens`` and
+    ``global_rebuilds`` the suffix drafter's figures.
 
     Raises:
         ConfigError: ``learned`` reads no target hidden states, ``suffix`` has KV layers, or
@@ -85,7 +91,32 @@ class HybridDrafter(Drafter):
         self.reads_helix_sharded_ctx_pages = learned.reads_helix_sharded_ctx_pages
         self.vocab_size = learned.vocab_size
         self.target_layer_ids = learned.target_layer_ids
-        self.stats = {"learned": 0, "suffix": 0, "none": 0}
+        self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0}
+
+    # -- settings and figures of the two drafters -------------------------------------
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.learned.cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, value: bool) -> None:
+        self.learned.cuda_graphs = value
+
+    @property
+    def torch_compile(self) -> bool:
+        return self.learned.torch_compile
+
+    @torch_compile.setter
+    def torch_compile(self, value: bool) -> None:
+        self.learned.torch_compile = value
+
+    @property
+    def global_tokens(self) -> int:
+        return getattr(self.suffix, "global_tokens", 0)
+
+    @property
+    def global_rebuilds(self) -> int:
+        return getattr(self.suffix, "global_rebuilds", 0)
 
     # -- hooks: the learned drafter's ---------------------------------------------
     def kv_layer_specs(self):
@@ -114,12 +145,16 @@ class HybridDrafter(Drafter):
         self.suffix.on_accepted(req_id, token_ids)
 
     def stop_request(self, req_id: str) -> None:
-        self.learned.stop_request(req_id)
-        self.suffix.stop_request(req_id)
+        try:
+            self.learned.stop_request(req_id)
+        finally:  # the suffix drafter forgets it (and indexes its response) whatever the other did
+            self.suffix.stop_request(req_id)
 
     def abort_request(self, req_id: str) -> None:
-        self.learned.abort_request(req_id)
-        self.suffix.abort_request(req_id)
+        try:
+            self.learned.abort_request(req_id)
+        finally:
+            self.suffix.abort_request(req_id)
 
     def overlap(self) -> None:
         self.learned.overlap()
@@ -129,9 +164,17 @@ class HybridDrafter(Drafter):
         return self.learned.capture_graphs(max_requests, max_context)
 
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
-        """Both drafters' drafts; per request the one with more expected accepted tokens."""
-        learned = self.learned.propose(req_ids, max_tokens)
+        """Both drafters' drafts; per request the one with more expected accepted tokens. If the
+        learned drafter raises, the step takes the suffix drafts (its fault stays inside it)."""
         suffix = self.suffix.propose(req_ids, max_tokens)
+        try:
+            learned = self.learned.propose(req_ids, max_tokens)
+        except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
+            if not self.stats["learned_errors"]:
+                warnings.warn(f"HybridDrafter: the learned drafter's propose raised ({type(e).__name__}: {e}); "
+                              "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
+            self.stats["learned_errors"] += 1
+            learned = [Draft() for _ in req_ids]
         out = []
         for a, b in zip(learned, suffix):
             if not len(a) and not len(b):
