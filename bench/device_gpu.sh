@@ -20,8 +20,9 @@
 #                                      # system over N prompts, untimed)
 #   bash bench/device_gpu.sh core      # GPU tests of the engine core, then e2e null/suffix/dflash/dspark at batch 1, 8, 32
 #   bash bench/device_gpu.sh compile   # block drafters' propose compiled (torch_compile=True) against plain: the
-#                                      # compiled GPU tests, drafter_profile, then e2e at batch 1, 8, 32 (with suffix
-#                                      # and the hybrid drafter)
+#                                      # compiled GPU tests, then drafter_profile
+#   bash bench/device_gpu.sh hybrid    # e2e at batch 1, 8, 32: null, suffix, dflash, dspark, hybrid, each block drafter
+#                                      # also compiled (a call of its own: up to 9 minutes)
 #   bash bench/device_gpu.sh cute      # cute_mla's GPU tests, then its columns beside triton_mla (wheels staged first)
 #   bash bench/device_gpu.sh helix     # bench/helix.py with cp = 1 (one GPU)
 #   bash bench/device_gpu.sh sampling  # greedy, half-sampled and all-sampled batches of 32 Spec-Bench prompts, null and
@@ -107,11 +108,12 @@ for part in "$@"; do
       timeout 200 python -m pytest tests/test_block_propose.py -m gpu -k "compiled or lossless" -p no:cacheprovider \
         -rA -o addopts= > "$OUT/gpu_tests_compile.txt" 2>&1
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests_compile.txt" | head -20
-      timeout 240 python bench/drafter_profile.py --device cuda --batch-sizes 1,8,32 --calls 30 --warmup 6 \
-        --engine-paths new,new+compiled --out "$OUT/drafter_compile" 2>&1 | grep "^|"
-      timeout 420 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dflash+compile,dspark,dspark+compile,hybrid,hybrid+compile --skip-hf \
-        --out "$OUT/e2e_compile" 2>&1 | grep "^|\|^- " ;;
+      timeout 300 python bench/drafter_profile.py --device cuda --batch-sizes 1,8,32 --calls 30 --warmup 6 \
+        --engine-paths new,new+compiled --out "$OUT/drafter_compile" 2>&1 | grep "^|" ;;
+    hybrid)  # end to end (one call of its own): the compiled propose and the hybrid drafter beside null and suffix
+      timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dflash+compile,dspark,dspark+compile,hybrid,hybrid+compile \
+        --skip-hf --out "$OUT/e2e_hybrid" 2>&1 | grep "^|\|^- " ;;
     cute)  # the CuTe DSL MLA kernel (needs the nvidia-cutlass-dsl wheels staged: see cute_mla's docstring),
            # then its columns beside triton_mla on the quick grid
       timeout 300 python -m pytest -m gpu tests/test_cute_mla.py -q -p no:cacheprovider -o addopts= 2>&1 | tail -15 \
