@@ -372,7 +372,8 @@ def main() -> None:
                 hs = r.get("hybrid_stats")
                 if hs:
                     text.append(f"- {name}: drafts taken from the learned drafter {hs['learned']:,}, from the suffix "
-                                f"drafter {hs['suffix']:,}, neither drafted {hs['none']:,}")
+                                f"drafter {hs['suffix']:,} ({hs.get('learned_skipped', 0):,} without asking the "
+                                f"learned one), neither drafted {hs['none']:,}")
                 ds = r.get("drafter_stats")
                 if ds:
                     text.append(f"- {name}: propose graphs {ds['graph_proposes']:,}/"

@@ -56,7 +56,8 @@ class HybridDrafter(Drafter):
             :class:`~specdec.drafters.dflash.BlockDrafter`); ``None`` leaves it as it is.
 
     ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``), the requests for
-    which neither drafted (``"none"``), and the proposes in which the learned drafter raised
+    which neither drafted (``"none"``), the requests whose suffix draft could not be beaten so the
+    learned drafter was not asked (``"learned_skipped"``), and the proposes in which it raised
     (``"learned_errors"``: those steps take the suffix drafts, with a warning the first time).
     ``cuda_graphs`` and ``torch_compile`` are the learned drafter's settings; ``global_tokens`` and
     ``global_rebuilds`` the suffix drafter's figures.
@@ -91,7 +92,7 @@ class HybridDrafter(Drafter):
         self.reads_helix_sharded_ctx_pages = learned.reads_helix_sharded_ctx_pages
         self.vocab_size = learned.vocab_size
         self.target_layer_ids = learned.target_layer_ids
-        self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0}
+        self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0, "learned_skipped": 0}
 
     # -- settings and figures of the two drafters -------------------------------------
     @property
@@ -164,17 +165,29 @@ class HybridDrafter(Drafter):
         return self.learned.capture_graphs(max_requests, max_context)
 
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
-        """Both drafters' drafts; per request the one with more expected accepted tokens. If the
-        learned drafter raises, the step takes the suffix drafts (its fault stays inside it)."""
+        """Both drafters' drafts; per request the one with more expected accepted tokens.
+
+        The suffix drafter proposes first. A request whose suffix draft already scores the most
+        any learned draft could (as many tokens as the learned drafter may draft, each certain)
+        takes it without asking the learned drafter, and when every request of the step does, the
+        learned propose is skipped (``stats["learned_skipped"]`` counts those requests). If the
+        learned drafter raises, the step takes the suffix drafts (its fault stays inside it).
+        """
         suffix = self.suffix.propose(req_ids, max_tokens)
-        try:
-            learned = self.learned.propose(req_ids, max_tokens)
-        except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
-            if not self.stats["learned_errors"]:
-                warnings.warn(f"HybridDrafter: the learned drafter's propose raised ({type(e).__name__}: {e}); "
-                              "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
-            self.stats["learned_errors"] += 1
-            learned = [Draft() for _ in req_ids]
+        width = getattr(getattr(self.learned, "config", None), "draft_width", max_tokens)
+        best = min(max_tokens, width)  # the most tokens, hence expected tokens, a learned draft can have
+        ask = [i for i, b in enumerate(suffix) if expected_accepted(b, self.default_confidence) < best]
+        learned = [Draft() for _ in req_ids]
+        if ask:
+            try:
+                for i, d in zip(ask, self.learned.propose([req_ids[i] for i in ask], max_tokens)):
+                    learned[i] = d
+            except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
+                if not self.stats["learned_errors"]:
+                    warnings.warn(f"HybridDrafter: the learned drafter's propose raised ({type(e).__name__}: {e}); "
+                                  "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
+                self.stats["learned_errors"] += 1
+        self.stats["learned_skipped"] += len(req_ids) - len(ask)
         out = []
         for a, b in zip(learned, suffix):
             if not len(a) and not len(b):
