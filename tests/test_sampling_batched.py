@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import SamplingParams, SpecEngine
-from specdec.drafters import Draft, Drafter, NullDrafter, SuffixAutomatonDrafter
+from specdec.drafters import Draft, Drafter, HybridDrafter, NullDrafter, SuffixAutomatonDrafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
 from specdec.sampling import (RowSampling, gumbel_noise, mix32, request_key, row_uniforms, sample_rows,
@@ -259,6 +259,7 @@ DRAFTERS = {
     "suffix_warm": lambda: (SuffixAutomatonDrafter(), PROMPTS[::-1] + [[1, 2, 3, 4, 5, 6] * 3]),
     "dflash": lambda: (_block(DFlashDrafter, 0), None),
     "dspark": lambda: (_block(DSparkDrafter, 1), None),
+    "hybrid": lambda: (HybridDrafter(_block(DSparkDrafter, 1), SuffixAutomatonDrafter()), PROMPTS[::-1]),
 }
 
 
