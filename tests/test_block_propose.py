@@ -11,7 +11,9 @@ On CUDA, graph replays equal eager runs.
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +32,9 @@ from specdec.kvcache import KVCacheManager, KVPool
 from specdec.kvcache.draft_kv import DraftKV
 
 HAS_CUDA = torch.cuda.is_available()
+#: torch.compile's CPU backend (inductor) builds C++: the compiled-propose tests need a compiler
+needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")),
+                               reason="torch.compile on the CPU needs a C++ compiler (g++ or $CXX)")
 VOCAB, HIDDEN, TARGET_LAYERS = 96, 32, 3
 
 
@@ -422,6 +427,7 @@ def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str =
     return staged, plain
 
 
+@needs_cxx
 @pytest.mark.parametrize("kind", ["dflash", "dspark_heads", "mla"])
 def test_compiled_propose_drafts_as_eager(kind):
     """``torch_compile=True``: the whole propose pass (staged context writes, gathers, layers, the
@@ -439,6 +445,7 @@ def test_compiled_propose_drafts_as_eager(kind):
     assert counters["stats"]["unique_graphs"] == 1  # padded to >= 2 requests and pages: no size specialises
 
 
+@needs_cxx
 def test_a_compiled_drafter_rebound_to_another_target_drafts_with_its_embedding():
     """After ``bind`` to a target with another embedding and LM head, the compiled pass reads the
     new products (the Markov head's ``embed @ down`` and ``lm_head @ up``), as the eager one does."""
