@@ -176,7 +176,8 @@ class HybridDrafter(Drafter):
         suffix = self.suffix.propose(req_ids, max_tokens)
         width = getattr(getattr(self.learned, "config", None), "draft_width", max_tokens)
         best = min(max_tokens, width)  # the most tokens, hence expected tokens, a learned draft can have
-        ask = [i for i, b in enumerate(suffix) if expected_accepted(b, self.default_confidence) < best]
+        scores = [expected_accepted(b, self.default_confidence) for b in suffix]
+        ask = [i for i, e in enumerate(scores) if e < best]
         learned = [Draft() for _ in req_ids]
         if ask:
             try:
@@ -189,11 +190,11 @@ class HybridDrafter(Drafter):
                 self.stats["learned_errors"] += 1
         self.stats["learned_skipped"] += len(req_ids) - len(ask)
         out = []
-        for a, b in zip(learned, suffix):
+        for a, b, e in zip(learned, suffix, scores):
             if not len(a) and not len(b):
                 self.stats["none"] += 1
                 out.append(a)
-            elif expected_accepted(b, self.default_confidence) > expected_accepted(a, self.default_confidence):
+            elif e > expected_accepted(a, self.default_confidence):
                 self.stats["suffix"] += 1
                 out.append(b)
             else:
