@@ -116,10 +116,11 @@ def split_chunk(kv_len: int, num_splits: int, block_n: int) -> int:
 
 def owned_keys(n: int, cp: int, rank: int, tokens_per_block: int) -> int:
     """Keys of positions ``[0, n)`` in rank ``rank``'s page table (page ``p`` -> rank ``p % cp``);
-    ``n`` for ``cp == 1``. The kernel's arithmetic (``HelixLayout.local_length``)."""
-    full = n // tokens_per_block
-    keys = -(-(full - rank) // cp) * tokens_per_block  # pages p < full with p % cp == rank
-    return keys + (n % tokens_per_block if full % cp == rank else 0)
+    ``n`` for ``cp == 1``: :meth:`HelixLayout.local_length <specdec.parallel.helix.HelixLayout.local_length>`,
+    the arithmetic the kernel does on the device."""
+    from specdec.parallel.helix import HelixLayout
+
+    return n if cp == 1 else HelixLayout(cp, tokens_per_block).local_length(n, rank)
 
 
 @dataclass(frozen=True, slots=True)
