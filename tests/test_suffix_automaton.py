@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from specdec.drafters.base import Draft, Drafter, make_drafter
+from specdec.drafters.data import TokenData
 from specdec.drafters.replay import ReplayStats, replay
-from specdec.drafters.suffix_automaton import Matcher, SuffixAutomaton, SuffixAutomatonDrafter
+from specdec.drafters.suffix_automaton import Matcher, SuffixAutomaton, SuffixAutomatonDrafter, token_confidence
 from specdec.errors import ConfigError, InvalidRequestError, SpecDecError
 
 small_tokens = st.lists(st.integers(0, 3), max_size=60)
@@ -451,20 +456,76 @@ def test_finished_responses_are_indexed_by_overlap():
     assert drafter._global.num_states > before
 
 
-def test_drafts_carry_the_continuation_counts_estimates():
-    """Each drafted token's confidence is its continuation estimate (count + 1) / (total + distinct)."""
+def test_walk_scores_are_the_continuation_counts_estimates():
+    """walk_scored's estimate of each token is (count + 1) / (total + distinct), and ``counts``
+    reports what it rests on."""
     sam = SuffixAutomaton([1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2])
-    toks, probs = sam.walk_scored(sam.match_state(), 4)
-    assert toks == sam.walk(sam.match_state(), 4) and len(probs) == len(toks)
+    counts = []
+    toks, probs = sam.walk_scored(sam.match_state(), 4, counts=counts)
+    assert toks == sam.walk(sam.match_state(), 4) and len(probs) == len(toks) == len(counts)
     assert toks[0] == 3 and all(0 < p <= 1 for p in probs)  # "1 2" went on to 3, 4 and 3: 3, not sure
+    assert all(p == pytest.approx((h + 1) / (t + d)) for p, (h, t, d) in zip(probs, counts))
+    assert counts[0] == (1, 2, 2)  # after its first occurrence "1 2" went on to 4, then 3: 3 once of 2
     sure = SuffixAutomaton([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6])  # "5 6" always went on to 7
     s_toks, s_probs = sure.walk_scored(sure.match_state(), 1)
     assert s_toks == [7] and s_probs[0] > probs[0]
+
+
+def test_drafts_carry_calibrated_confidences_and_explain_says_why():
     drafter = SuffixAutomatonDrafter(use_global=False)
-    drafter.start_request("r", [1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2])
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2]
+    drafter.start_request("r", prompt)
     (draft,) = drafter.propose(["r"], 4)
-    n = len(draft)  # the drafter may cut the walk (match_len_factor)
-    assert n > 0 and draft.token_ids == tuple(toks[:n]) and draft.confidence == pytest.approx(tuple(probs[:n]))
+    why = drafter.explain("r", 4)
+    assert len(draft) > 0 and draft.token_ids == tuple(w[0] for w in why)
+    assert draft.confidence == tuple(w[1] for w in why)
+    for j, (tok, conf, hits, total, distinct, match_len, own) in enumerate(why):
+        assert own and match_len == 2  # "1 2", in the request's own tokens
+        assert conf == token_confidence(hits, total, distinct, match_len + j, own)
+    assert drafter.explain("r", 0) == []
+    with pytest.raises(InvalidRequestError):
+        drafter.explain("nope", 4)
+
+
+@SETTINGS
+@given(hits=st.integers(0, 50), misses=st.integers(0, 50), distinct=st.integers(1, 20),
+       length=st.integers(1, 10_000), own=st.booleans())
+def test_token_confidence_is_a_probability_that_rises_with_evidence(hits, misses, distinct, length, own):
+    """In (0, 1); higher for a longer match, for a match in the request's own tokens, for a
+    continuation seen more often, lower for one others followed more often."""
+    total = hits + misses
+    distinct = max(distinct, 1 + (misses > 0))
+    c = token_confidence(hits, total, distinct, length, own)
+    assert 0 < c < 1
+    assert token_confidence(hits, total, distinct, length + 1, own) > c
+    assert own or token_confidence(hits, total, distinct, length, True) > c
+    if total:  # seen after its first occurrence: one more hit raises it, one more miss lowers it
+        assert token_confidence(hits + 1, total + 1, distinct, length, own) > c
+        assert token_confidence(hits, total + 1, distinct + 1, length, own) < c
+
+
+def test_confidences_are_calibrated_on_the_target_s_own_responses():
+    """The target's greedy responses from the shipped training data, replayed as the engine would
+    (bench/suffix_calibration.py): per confidence bin, the accepted fraction is within 0.1 of the
+    mean confidence, and the log loss is well below the raw count frequency's."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("suffix_calibration", root / "bench" / "suffix_calibration.py")
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    data = TokenData.load(root / "data" / "drafter-smollm2-135m")
+    idx = [i for i in range(len(data)) if float(data.temperature[i]) == 0.0][::50][:150]
+    rows = cal.replay(data, idx, 8, SuffixAutomatonDrafter(min_token_prob=0.0))
+    conf, ok = rows[:, 1], rows[:, 2]
+    raw = (rows[:, 3] + 1) / (rows[:, 4] + rows[:, 5])
+    assert cal.log_loss(conf, ok) < 0.5 * cal.log_loss(raw, ok)
+    edges = np.array([0, .2, .4, .6, .8, .9, .95, 1.0001])
+    checked = 0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        m = (conf >= lo) & (conf < hi)
+        if m.sum() >= 500:
+            checked += 1
+            assert abs(ok[m].mean() - conf[m].mean()) < 0.1, (lo, hi, ok[m].mean(), conf[m].mean())
+    assert checked >= 4
 
 
 def _finish(drafter, rid, prompt, response):

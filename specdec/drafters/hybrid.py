@@ -4,13 +4,19 @@ the draft with more expected accepted tokens.
 The two fail in different places. The suffix drafter is right where the text repeats (code that
 echoes its prompt, lists, quotes) and proposes nothing elsewhere; a block drafter proposes
 everywhere but, conditioned only on the target's hidden states, is less sure of long spans.
-Both give each drafted token a confidence: DSpark's confidence head (trained and calibrated to
-the probability the token is accepted given that the ones before it were) and the suffix
-automaton's continuation counts (a frequency, not calibrated: a continuation seen once scores
-1.0). The expected number of accepted tokens of a chain with confidences ``c_1 .. c_k`` is
-``c_1 + c_1 c_2 + ... + c_1 ... c_k``; :func:`expected_accepted` computes it and
-:class:`HybridDrafter` keeps, per request, the draft where it is larger by the drafters' own
-estimates (the learned one on ties). The rule was fixed before any measurement, not tuned.
+Both give each drafted token a confidence, the probability that it is accepted given that the
+ones before it were: DSpark's confidence head (trained jointly with the drafter) and the suffix
+drafter's :func:`~specdec.drafters.suffix_automaton.token_confidence` (a logistic model of the
+match length and continuation counts, fitted on training data). The expected number of accepted
+tokens of a chain with confidences ``c_1 .. c_k`` is ``c_1 + c_1 c_2 + ... + c_1 ... c_k``;
+:func:`expected_accepted` computes it and :class:`HybridDrafter` keeps, per request, the draft
+where it is larger by the drafters' own estimates (the learned one on ties). The rule was fixed
+before any measurement, not tuned.
+
+The learned propose costs about as much as a target step on a small target, so it is asked only
+for requests whose suffix draft it could beat: where the suffix draft's expected accepted tokens
+are below the most any learned draft has scored so far (repetitive text, where the suffix draft is
+long and sure, never pays for it).
 
 Lossless whatever it picks: the target verifies every draft. The KV and hidden-state hooks are
 the learned drafter's (the suffix drafter has no KV layers and reads only token ids).
@@ -56,8 +62,9 @@ class HybridDrafter(Drafter):
             :class:`~specdec.drafters.dflash.BlockDrafter`); ``None`` leaves it as it is.
 
     ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``), the requests for
-    which neither drafted (``"none"``), the requests whose suffix draft could not be beaten so the
-    learned drafter was not asked (``"learned_skipped"``), and the proposes in which it raised
+    which neither drafted (``"none"``), the requests whose suffix draft scored at least
+    :attr:`learned_best` so the learned drafter was not asked (``"learned_skipped"``), and the
+    proposes in which it raised
     (``"learned_errors"``: those steps take the suffix drafts, with a warning the first time).
     ``cuda_graphs`` and ``torch_compile`` are the learned drafter's settings; ``global_tokens`` and
     ``global_rebuilds`` the suffix drafter's figures.
@@ -93,6 +100,10 @@ class HybridDrafter(Drafter):
         self.vocab_size = learned.vocab_size
         self.target_layer_ids = learned.target_layer_ids
         self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0, "learned_skipped": 0}
+        #: the most expected accepted tokens any learned draft has scored (``None``: none drafted
+        #: yet, so every request asks the learned drafter); a suffix draft scoring at least this
+        #: is taken without asking it
+        self.learned_best: float | None = None
 
     # -- settings and figures of the two drafters -------------------------------------
     @property
@@ -167,34 +178,39 @@ class HybridDrafter(Drafter):
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
         """Both drafters' drafts; per request the one with more expected accepted tokens.
 
-        The suffix drafter proposes first. A request whose suffix draft already scores the most
-        any learned draft could (as many tokens as the learned drafter may draft, each certain)
-        takes it without asking the learned drafter, and when every request of the step does, the
-        learned propose is skipped (``stats["learned_skipped"]`` counts those requests). If the
-        learned drafter raises, the step takes the suffix drafts (its fault stays inside it).
+        The suffix drafter proposes first. A request whose suffix draft scores at least
+        :attr:`learned_best` (the most any learned draft has scored so far) takes it without asking
+        the learned drafter, and when every request of the step does, the learned propose is
+        skipped (``stats["learned_skipped"]`` counts those requests). If the learned drafter raises,
+        the step takes the suffix drafts (its fault stays inside it).
         """
         suffix = self.suffix.propose(req_ids, max_tokens)
-        width = getattr(getattr(self.learned, "config", None), "draft_width", max_tokens)
-        best = min(max_tokens, width)  # the most tokens, hence expected tokens, a learned draft can have
         scores = [expected_accepted(b, self.default_confidence) for b in suffix]
-        ask = [i for i, e in enumerate(scores) if e < best]
+        best = self.learned_best
+        ask = [i for i, e in enumerate(scores) if best is None or e < best]
         learned = [Draft() for _ in req_ids]
+        learned_scores = [0.0] * len(req_ids)
         if ask:
             try:
-                for i, d in zip(ask, self.learned.propose([req_ids[i] for i in ask], max_tokens)):
-                    learned[i] = d
+                drafts = self.learned.propose([req_ids[i] for i in ask], max_tokens)
             except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
                 if not self.stats["learned_errors"]:
                     warnings.warn(f"HybridDrafter: the learned drafter's propose raised ({type(e).__name__}: {e}); "
                                   "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
                 self.stats["learned_errors"] += 1
+            else:
+                for i, d in zip(ask, drafts):
+                    learned[i], learned_scores[i] = d, expected_accepted(d, self.default_confidence)
+                if any(len(d) for d in drafts):
+                    top = max(learned_scores[i] for i in ask)
+                    self.learned_best = top if self.learned_best is None else max(self.learned_best, top)
         self.stats["learned_skipped"] += len(req_ids) - len(ask)
         out = []
-        for a, b, e in zip(learned, suffix, scores):
+        for a, b, e, ea in zip(learned, suffix, scores, learned_scores):
             if not len(a) and not len(b):
                 self.stats["none"] += 1
                 out.append(a)
-            elif e > expected_accepted(a, self.default_confidence):
+            elif e > ea:
                 self.stats["suffix"] += 1
                 out.append(b)
             else:
