@@ -32,7 +32,8 @@ ratio to the same drafter's all-greedy step time, mean accepted length, mean req
 
 Every (drafter, mix) run builds a fresh engine (so the suffix drafter's global automaton starts
 the same way in each mix), captures its CUDA graphs (``engine.capture_graphs``, where the engine
-offers it), generates its first batch with its own parameters, untimed, then the timed pass.
+offers it), generates one batch of the prompts that follow the timed ones with its own
+parameters, untimed (the timed prompts' first batch where none follow), then the timed pass.
 ``--repeat N`` runs everything N times round-robin: the reported run is the one of median step
 time, the ratio the median of the per-round ratios. Writes markdown and JSON to ``--out``
 (a path without suffix) after every round.
@@ -84,8 +85,10 @@ def mix_params(mix: str, n: int, args) -> list[SamplingParams]:
             for i, s in enumerate(sampled_rows(mix, n))]
 
 
-def run_mix(target, drafter: str, mix: str, prompts: list[str], max_prompt_len: int, args) -> dict:
-    """One (drafter, mix) run on a fresh engine: graphs, an untimed first batch, then the timed pass."""
+def run_mix(target, drafter: str, mix: str, prompts: list[str], max_prompt_len: int, args,
+            warm: list[str] | None = None) -> dict:
+    """One (drafter, mix) run on a fresh engine: graphs, an untimed batch of ``warm`` prompts (the
+    first batch of ``prompts`` when ``None``), then the timed pass over ``prompts``."""
     kwargs = {"max_draft_tokens": args.k} if drafter == "suffix" else {}
     engine = SpecEngine(target, make_drafter(drafter, **kwargs), max_draft_tokens=args.k,
                         max_num_seqs=args.batch_size)
@@ -97,7 +100,8 @@ def run_mix(target, drafter: str, mix: str, prompts: list[str], max_prompt_len: 
         if hasattr(engine, "capture_graphs"):  # every graph bucket these prompts can need, untimed
             captured = engine.capture_graphs(max_kv_len=max_prompt_len + args.max_new_tokens + args.k + 1,
                                              progress=False)
-        engine.generate(prompts[:b], params[:b])  # untimed: kernels, compilation, first-use costs
+        warm = warm or prompts[:b]  # untimed: kernels, compilation, first-use costs
+        engine.generate(warm, mix_params(mix, len(warm), args))
         _sync(args.device)
         warmup_s = time.perf_counter() - t0
         engine.timings.update({k: 0 for k in engine.timings})
@@ -240,13 +244,16 @@ def main() -> None:
         source = f"HumanEval {args.problems}"
     if len(prompts) < args.num_prompts:
         ap.error(f"--num-prompts {args.num_prompts}: the prompts give only {len(prompts)}")
+    # the untimed first batch: the prompts after the timed ones where there are any, so that the
+    # suffix drafter's global automaton has not seen the timed responses (it would then draft them whole)
+    warm = prompts[args.num_prompts:args.num_prompts + args.batch_size] or None
     prompts = prompts[:args.num_prompts]
 
     target = load_target("smollm2-135m", dtype=getattr(torch, args.dtype), device=args.device)
     tok = target.tokenizer
     max_prompt_len = max(len(tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                           add_generation_prompt=True),
-                                 add_special_tokens=False)["input_ids"]) for p in prompts)
+                                 add_special_tokens=False)["input_ids"]) for p in prompts + (warm or []))
     header = run_header(args.device, f"SmolLM2-135M {args.dtype}", f"{source}, {args.num_prompts} prompts",
                         f"batch {args.batch_size}", f"{args.max_new_tokens} new tokens"
                         + (" (ignore_eos)" if args.ignore_eos else ""),
@@ -276,7 +283,7 @@ def main() -> None:
                 print(f"{drafter} {mix} b{args.batch_size} (round {rnd + 1}/{args.repeat}) ...",
                       file=sys.stderr, flush=True)
                 rounds.setdefault((drafter, mix), []).append(run_mix(target, drafter, mix, prompts,
-                                                                     max_prompt_len, args))
+                                                                     max_prompt_len, args, warm))
         save(done=False)
     print(save(done=True))
 

@@ -90,21 +90,22 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-# Few compiled variants as the step's row count changes: one per blocks-per-split (a power of two,
-# BLOCKS) and (stream, masked, store). The splits are never specialised (Triton would compile apart
-# n_splits == 1 and multiples of 16), nor the alignment of the per-row vectors, read one scalar a
-# program (the keys and positions are rows of one [4, S] tensor: 16-byte aligned only for even S).
+# One compiled variant per (logit dtype, stream, masked, store), whatever the step's row count: a
+# new variant compiles in about 0.25 s on the H200, which a short run pays at every new row count
+# if the shape is a compile-time constant. So the blocks per split and the splits are runtime
+# arguments, never specialised (Triton would compile apart values of 1 and multiples of 16), nor
+# is the alignment of the per-row vectors, read one scalar a program (the keys and positions are
+# rows of one [4, S] tensor: 16-byte aligned only for even S).
 _SCALAR_PTRS = ["ROWS", "TEMP", "THR", "ICUT", "KEYS", "POS", "PART_VAL", "PART_IDX"]
 
 
-@triton.jit(do_not_specialize=["n_splits"], do_not_specialize_on_alignment=_SCALAR_PTRS)
+@triton.jit(do_not_specialize=["n_splits", "blocks"], do_not_specialize_on_alignment=_SCALAR_PTRS)
 def _sample_split_kernel(
     LOGITS, stride_row, ROWS, TEMP, THR, ICUT, KEYS, POS, PART_VAL, PART_IDX, PERTURBED,
-    vocab, n_splits,
+    vocab, n_splits, blocks,
     STREAM: tl.constexpr,
     MASKED: tl.constexpr,
     STORE: tl.constexpr,
-    BLOCKS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -117,11 +118,11 @@ def _sample_split_kernel(
     if MASKED:
         thr = tl.load(THR + s)
         icut = tl.load(ICUT + s)
-    start = split * (BLOCKS * BLOCK)
+    start = split * (blocks * BLOCK)
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = start
     src = LOGITS + row.to(tl.int64) * stride_row
-    for b in range(0, BLOCKS):
+    for b in range(0, blocks):  # a runtime count: one compiled variant serves every row count
         idx = start + b * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] int32
         inside = idx < vocab
         x = tl.load(src + idx, mask=inside, other=0.0).to(tl.float32)
@@ -195,8 +196,8 @@ def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.T
     thr, icut = cutoffs if cutoffs is not None else (temperature, temperature)  # unused when not MASKED
     _sample_split_kernel[(n_rows, splits)](
         logits, logits.stride(0), rows, temperature, thr, icut, keys, positions, part_val, part_idx,
-        perturbed if store else part_val, vocab, splits,
-        STREAM=stream, MASKED=cutoffs is not None, STORE=store, BLOCKS=blocks, BLOCK=BLOCK)
+        perturbed if store else part_val, vocab, splits, blocks,
+        STREAM=stream, MASKED=cutoffs is not None, STORE=store, BLOCK=BLOCK)
     # SPLITS from the vocabulary alone (the most splits it can have): one variant for every row count
     _reduce_splits_kernel[(n_rows,)](part_val, part_idx, tokens, splits,
                                      SPLITS=max(2, triton.next_power_of_2(triton.cdiv(vocab, BLOCK))))

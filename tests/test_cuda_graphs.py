@@ -387,7 +387,7 @@ class TestPromptGraphsOnGPU:
             engine.manager.allocate("r", length)
             slots = engine.manager.slots("r", 0, length)
             table = tuple(engine.manager.page_table("r"))
-            step = StepInput(list(ids), list(range(length)), slots, [(length, length, table)], [], [length - 1], True)
+            step = StepInput(list(ids), list(range(length)), slots, [(length, length, table)], [], [length - 1])
             result = engine.runner.execute(step)
             assert result.graph == prompt_graphs
             idx = torch.tensor(slots, device="cuda")

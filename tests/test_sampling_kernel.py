@@ -45,6 +45,9 @@ needs_kernels = pytest.mark.skipif(
     reason="no CUDA GPU and the kernel was not built for the interpreter; "
     "test_cpu_interpreter_suite runs these with TRITON_INTERPRET=1",
 )
+# The split kernel loops over a runtime count of blocks, which Triton 3.6's interpreter cannot run
+# with NumPy >= 2.4 (specdec.attention.backends.triton_interp); the fixture fixes it for this module.
+pytestmark = pytest.mark.usefixtures("fixed_triton_interpreter")
 SEEDS = st.one_of(st.integers(0, 2**16), st.sampled_from([2**64 - 1, 2**63, 2**32 + 7, -3, 2**70 + 11]))
 
 
@@ -230,3 +233,25 @@ def test_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, dtype):
     seeds = [2**64 - 1 - i if i % 2 else i for i in range(n_rows)]
     positions = [(i * 977) % 4000 + (2**32 if i % 7 == 0 else 0) for i in range(n_rows)]
     _check_kernel(logits, rows, params, seeds, positions)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (and the kernel compiled for it)")
+def test_one_compiled_variant_serves_every_row_count():
+    """A new compiled variant costs about 0.25 s: a step whose sampled-row count is new must not
+    compile one (the blocks per split and the splits are runtime arguments)."""
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in sampling_kernel._sample_split_kernel.device_caches.values())
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(400, 49152, generator=gen).to(torch.bfloat16).cuda()
+    counts = []
+    for n_rows in (16, 1, 3, 40, 144, 288, 399):
+        rows = torch.arange(n_rows, device="cuda")
+        temperature = torch.full((n_rows,), 0.8, device="cuda")
+        keys = torch.arange(n_rows, device="cuda")
+        sampling_kernel.sample_tokens(logits, rows, temperature, keys, keys.clone(), sampling._STREAM_SAMPLE)
+        counts.append(compiled())
+    torch.cuda.synchronize()
+    assert counts == [counts[0]] * len(counts), counts
