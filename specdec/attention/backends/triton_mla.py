@@ -95,7 +95,7 @@ MAX_Q_LEN = 16  # largest verify length the tests cover (the mask is generic; th
 VALIDATED_SM = (90,)
 # The Helix path (rank-local pages, LSE out) on the GPU, likewise: add an arch only after
 # TestGPU::test_helix_shards_* has passed on it. It is checked on the interpreter meanwhile.
-HELIX_VALIDATED_SM: tuple[int, ...] = ()
+HELIX_VALIDATED_SM: tuple[int, ...] = (90,)  # TestGPU::test_helix_shards_* passed on the H200, 2026-12-05
 FP8_MIN_SM = 89  # native e4m3 conversion
 
 _LOG2E = 1.4426950408889634
