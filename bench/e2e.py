@@ -189,8 +189,9 @@ def _tps(r: dict) -> float:
 ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False},
                    "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False},
                    "conf": {"draft_length": "confidence"}}
-# drafter settings a system name may add ("dflash+compile"); ratios are to plain null
-DRAFTER_VARIANTS = {"compile": {"torch_compile": True}}
+# drafter settings a system name may add ("dflash+compile"); ratios are to plain null. A block
+# drafter's propose is compiled by default on CUDA and not on the CPU: '+compile' / '+nocompile' force it.
+DRAFTER_VARIANTS = {"compile": {"torch_compile": True}, "nocompile": {"torch_compile": False}}
 
 
 def _null_of(label: str, labels=()) -> str:
@@ -243,8 +244,8 @@ def main() -> None:
                     help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, "
                          "dspark; '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
-                         "to null+nopg); '+conf' cuts drafts by confidence; '+compile' runs a block drafter's "
-                         "propose through torch.compile (e.g. dflash+compile)")
+                         "to null+nopg); '+conf' cuts drafts by confidence; '+compile' / '+nocompile' run a block drafter's "
+                         "propose through torch.compile or not (default: compiled on CUDA; e.g. dflash+nocompile)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,

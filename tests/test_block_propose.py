@@ -489,9 +489,28 @@ def test_a_failing_compile_falls_back_to_eager(monkeypatch):
     assert staged.propose(["a"], 9) == plain.propose(["a"], 9)
 
 
-def test_torch_compile_is_a_bool():
+def test_torch_compile_is_a_bool_or_none():
     with pytest.raises(ConfigError, match="torch_compile"):
         make_drafter("dflash").__class__(make_drafter("dflash").net, torch_compile="yes")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU case is the twin)")])])
+def test_torch_compile_defaults_to_the_target_s_device(device):
+    """By default (``None``) the propose is compiled for a CUDA target, not for a CPU one; an explicit
+    setting stays whatever the target; ``None`` set later follows the next bind."""
+    auto, off, on = make_drafter("dflash"), make_drafter("dflash"), make_drafter("dflash")
+    off.torch_compile, on.torch_compile = False, True
+    assert auto.torch_compile is False  # not bound yet
+    for d in (auto, off, on):
+        pool = KVPool(d.kv_layer_specs(), 9, 16, device=device)
+        d.bind(fake_target(device, torch.float32), DraftKV(pool, range(d.config.num_layers), KVCacheManager(8, 16),
+                                                           shared=False))
+    assert auto.torch_compile is (device == "cuda")
+    assert off.torch_compile is False and on.torch_compile is True
+    on.torch_compile = None
+    on.bind(fake_target(device, torch.float32), on.kv)
+    assert on.torch_compile is (device == "cuda")
 
 
 # --------------------------------------------------------------------------- GPU

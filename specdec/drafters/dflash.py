@@ -100,7 +100,9 @@ class BlockDrafter(Drafter):
             run after :meth:`bind` finds them: change the weights and build a new drafter. Not
             under Helix (its proposes exchange partials between ranks: they run eagerly).
             ``stats["compile_s"]``: the time of the first compiled run; ``stats["compile_errors"]``:
-            compiles that failed (the drafter then runs eagerly).
+            compiles that failed (the drafter then runs eagerly). ``None`` (default): on when
+            :meth:`bind` finds the target on CUDA (1.2-1.8x cheaper proposes on the H200,
+            BENCHMARKS.md), off on the CPU.
     """
 
     reads_helix_sharded_ctx_pages = False
@@ -111,7 +113,7 @@ class BlockDrafter(Drafter):
     default_checkpoint: str | None = None
 
     def __init__(self, net: BlockDrafterNet | str | Path | None = None, cuda_graphs: bool = True,
-                 torch_compile: bool = False):
+                 torch_compile: bool | None = None):
         if net is None:
             if self.default_checkpoint is None:
                 raise ConfigError(f"{type(self).__name__} needs a network or a checkpoint path (net=...)")
@@ -149,7 +151,7 @@ class BlockDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True,
-                        torch_compile: bool = False) -> "BlockDrafter":
+                        torch_compile: bool | None = None) -> "BlockDrafter":
         """Load a shipped drafter by name (e.g. ``"smollm2-135m-dflash"``) or a checkpoint directory
         (``cuda_graphs``, ``torch_compile``: as in the constructor).
 
@@ -170,14 +172,16 @@ class BlockDrafter(Drafter):
     @property
     def torch_compile(self) -> bool:
         """Whether proposes run the compiled pass (see the class doc); may be changed between
-        calls (graphs are kept per bucket and setting)."""
-        return self._torch_compile
+        calls (graphs are kept per bucket and setting). Set to ``None``, it follows the device
+        of the target bound next (on for CUDA); until a bind it reads ``False``."""
+        return bool(self._torch_compile)
 
     @torch_compile.setter
-    def torch_compile(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ConfigError(f"torch_compile must be True or False, got {value!r}")
+    def torch_compile(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"torch_compile must be True, False or None (on for CUDA targets), got {value!r}")
         self._torch_compile = value
+        self._compile_auto = value is None
 
     # -- hooks -------------------------------------------------------------------
     def kv_layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -202,6 +206,8 @@ class BlockDrafter(Drafter):
         self.net.to(device=target.device, dtype=target.dtype)
         self._embed, self._lm_head, self.kv = target.embed, target.lm_head, kv
         self.pad_shapes = target.device.type == "cuda"
+        if self._compile_auto:
+            self._torch_compile = target.device.type == "cuda"
         self._compiled = None  # its first run reads the new target's embedding / LM head products afresh
         self._pending.clear()
         self._defer, self._ctx_stage = 0, None
