@@ -75,51 +75,6 @@ def test_the_learned_drafter_is_asked_only_where_it_could_win():
     assert h.stats == {**h.stats, "learned": 3, "suffix": 3, "none": 0}
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class _Timed(_Scripted):
-    """A scripted learned drafter whose propose takes ``cost`` seconds of a fake clock."""
-
-    def __init__(self, drafts, clock: _Clock, cost: float) -> None:
-        super().__init__(drafts, (1,))
-        self.clock, self.cost = clock, cost
-
-    def propose(self, req_ids, max_tokens):
-        self.clock.now += self.cost
-        return super().propose(req_ids, max_tokens)
-
-
-@pytest.mark.parametrize(("propose_s", "asked_after_warmup"), [(0.05, True), (2.0, False)])
-def test_cost_aware_asks_only_where_the_extra_tokens_pay_for_the_propose(propose_s, asked_after_warmup):
-    """Steps of 1 s (fake clock) beside a learned propose of 0.05 s or 2 s: its drafts score 1.71
-    against the suffix drafts' 0.3 + 0.99, so asking gains 1.41 + 0.72 tokens on a base of 3.29:
-    worth 0.05 s (r = 0.05), not 2 s (r = 2). Timing starts after four of each were measured."""
-    clock = _Clock()
-    learned = _Timed({"a": _chain(0.9, 0.9), "b": _chain(0.9, 0.9)}, clock, propose_s)
-    suffix = _Scripted({"a": _chain(0.3), "b": _chain(0.99)})
-    h = HybridDrafter(learned=learned, suffix=suffix, clock=clock)
-    assert h.cost_ratio is None
-    for step in range(12):
-        h.propose(["a", "b"], 8)
-        clock.now += 1.0  # the target's step
-        if step < 4:  # warming up: every request that could win is asked
-            assert len(learned.asked) == step + 1
-    assert h.cost_ratio == pytest.approx(propose_s)
-    assert (len(learned.asked) == 12) is asked_after_warmup
-    assert (h.stats["learned_not_worth"] > 0) is (not asked_after_warmup)
-    off = HybridDrafter(learned=_Timed(learned.drafts, clock, propose_s), suffix=suffix, clock=clock, cost_aware=False)
-    for _ in range(12):
-        off.propose(["a", "b"], 8)
-        clock.now += 1.0
-    assert len(off.learned.asked) == 12 and off.stats["learned_not_worth"] == 0
-
-
 def test_bad_arguments_are_config_errors():
     with pytest.raises(ConfigError, match="learned"):
         HybridDrafter(learned=SuffixAutomatonDrafter())
@@ -129,8 +84,6 @@ def test_bad_arguments_are_config_errors():
         HybridDrafter(suffix=make_drafter("dspark"))
     with pytest.raises(ConfigError, match="torch_compile"):
         HybridDrafter(torch_compile="yes")
-    with pytest.raises(ConfigError, match="cost_aware"):
-        HybridDrafter(cost_aware=1)
     assert make_drafter("hybrid", torch_compile=True).learned.torch_compile is True
 
 

@@ -16,13 +16,7 @@ before any measurement, not tuned.
 The learned propose costs about as much as a target step on a small target, so it is asked only
 for requests whose suffix draft it could beat: where the suffix draft's expected accepted tokens
 are below the most any learned draft has scored so far (repetitive text, where the suffix draft is
-long and sure, never pays for it). With ``cost_aware`` (the default) a step asks it only when the
-tokens it is expected to add pay for its time: the hybrid times its own proposes and the steps
-between them, and asks for the requests whose suffix draft scores below the learned drafter's
-running mean score when ``sum(gain) > r * sum(1 + suffix score)``, ``gain`` being that shortfall
-and ``r`` the learned propose's time over the rest of a step (medians of the last 64). That keeps
-expected tokens per unit of time from falling below the suffix drafter's alone. Drafts then depend
-on timings, so τ varies a little from run to run; outputs do not (every draft is verified).
+long and sure, never pays for it).
 
 Lossless whatever it picks: the target verifies every draft. The KV and hidden-state hooks are
 the learned drafter's (the suffix drafter has no KV layers and reads only token ids).
@@ -30,11 +24,8 @@ the learned drafter's (the suffix drafter has no KV layers and reads only token 
 
 from __future__ import annotations
 
-import collections
-import statistics
-import time
 import warnings
-from typing import Callable, Sequence
+from typing import Sequence
 
 from specdec.drafters.base import Draft, Drafter, register_drafter
 from specdec.errors import ConfigError
@@ -69,15 +60,11 @@ class HybridDrafter(Drafter):
             learned drafter without a confidence head, e.g. DFlash), in ``[0, 1]``.
         torch_compile: set the learned drafter's ``torch_compile`` (its propose compiled, see
             :class:`~specdec.drafters.dflash.BlockDrafter`); ``None`` leaves it as it is.
-        cost_aware: ask the learned drafter only in steps where its expected extra tokens pay for
-            its propose time (module docstring); ``False``: wherever its draft could win.
-        clock: the timer of ``cost_aware`` (seconds; tests pass their own).
 
     ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``), the requests for
     which neither drafted (``"none"``), the requests whose suffix draft scored at least
-    :attr:`learned_best` so the learned drafter was not asked (``"learned_skipped"``), the
-    requests it was not asked for because it would not pay for its time (``"learned_not_worth"``),
-    and the proposes in which it raised
+    :attr:`learned_best` so the learned drafter was not asked (``"learned_skipped"``), and the
+    proposes in which it raised
     (``"learned_errors"``: those steps take the suffix drafts, with a warning the first time).
     ``cuda_graphs`` and ``torch_compile`` are the learned drafter's settings; ``global_tokens`` and
     ``global_rebuilds`` the suffix drafter's figures.
@@ -89,8 +76,7 @@ class HybridDrafter(Drafter):
     """
 
     def __init__(self, learned: Drafter | None = None, suffix: Drafter | None = None,
-                 default_confidence: float = 0.6, torch_compile: bool | None = None, cost_aware: bool = True,
-                 clock: Callable[[], float] = time.perf_counter):
+                 default_confidence: float = 0.6, torch_compile: bool | None = None):
         from specdec.drafters.dflash import DSparkDrafter
         from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
 
@@ -104,8 +90,6 @@ class HybridDrafter(Drafter):
                               f"got {type(suffix).__name__}")
         if not isinstance(default_confidence, (int, float)) or not 0.0 <= default_confidence <= 1.0:
             raise ConfigError(f"default_confidence must be a float in [0, 1], got {default_confidence!r}")
-        if not isinstance(cost_aware, bool):
-            raise ConfigError(f"cost_aware must be True or False, got {cost_aware!r}")
         if torch_compile is not None:
             if not hasattr(learned, "torch_compile"):
                 raise ConfigError(f"torch_compile: {type(learned).__name__} has no compiled propose")
@@ -115,37 +99,11 @@ class HybridDrafter(Drafter):
         self.reads_helix_sharded_ctx_pages = learned.reads_helix_sharded_ctx_pages
         self.vocab_size = learned.vocab_size
         self.target_layer_ids = learned.target_layer_ids
-        self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0, "learned_skipped": 0,
-                      "learned_not_worth": 0}
-        self.cost_aware, self._clock = cost_aware, clock
-        self._learned_s: collections.deque[float] = collections.deque(maxlen=64)  # learned propose times
-        self._rest_s: collections.deque[float] = collections.deque(maxlen=64)  # the rest of each step
-        self._scores: collections.deque[float] = collections.deque(maxlen=256)  # learned drafts' scores
-        self._last: tuple[float, float] | None = None  # (start of the last propose, its learned time)
+        self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0, "learned_skipped": 0}
         #: the most expected accepted tokens any learned draft has scored (``None``: none drafted
         #: yet, so every request asks the learned drafter); a suffix draft scoring at least this
         #: is taken without asking it
         self.learned_best: float | None = None
-
-    @property
-    def cost_ratio(self) -> float | None:
-        """The learned propose's time over the rest of a step (medians of the last 64 of each), or
-        ``None`` before four of each were timed."""
-        if len(self._learned_s) < 4 or len(self._rest_s) < 4:
-            return None
-        return statistics.median(self._learned_s) / max(statistics.median(self._rest_s), 1e-9)
-
-    def _worth_asking(self, ask: list[int], scores: list[float]) -> list[int]:
-        """The requests of ``ask`` to ask the learned drafter for this step (all or none of those
-        whose suffix draft scores below the learned drafts' running mean), by the cost rule."""
-        r = self.cost_ratio
-        if not self.cost_aware or r is None or not self._scores:
-            return ask
-        mean = sum(self._scores) / len(self._scores)
-        gain = {i: mean - scores[i] for i in ask if scores[i] < mean}
-        if sum(gain.values()) > r * sum(1.0 + e for e in scores):
-            return sorted(gain)
-        return []
 
     # -- settings and figures of the two drafters -------------------------------------
     @property
@@ -226,20 +184,13 @@ class HybridDrafter(Drafter):
         skipped (``stats["learned_skipped"]`` counts those requests). If the learned drafter raises,
         the step takes the suffix drafts (its fault stays inside it).
         """
-        start = self._clock()
-        if self._last is not None:  # the step since the last propose, less its learned propose
-            self._rest_s.append(max(start - self._last[0] - self._last[1], 0.0))
         suffix = self.suffix.propose(req_ids, max_tokens)
         scores = [expected_accepted(b, self.default_confidence) for b in suffix]
         best = self.learned_best
-        could_win = [i for i, e in enumerate(scores) if best is None or e < best]
-        ask = self._worth_asking(could_win, scores)
-        self.stats["learned_not_worth"] += len(could_win) - len(ask)
+        ask = [i for i, e in enumerate(scores) if best is None or e < best]
         learned = [Draft() for _ in req_ids]
         learned_scores = [0.0] * len(req_ids)
-        learned_s = 0.0
         if ask:
-            t0 = self._clock()
             try:
                 drafts = self.learned.propose([req_ids[i] for i in ask], max_tokens)
             except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
@@ -248,17 +199,12 @@ class HybridDrafter(Drafter):
                                   "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
                 self.stats["learned_errors"] += 1
             else:
-                learned_s = self._clock() - t0
-                self._learned_s.append(learned_s)
                 for i, d in zip(ask, drafts):
                     learned[i], learned_scores[i] = d, expected_accepted(d, self.default_confidence)
-                    if len(d):
-                        self._scores.append(learned_scores[i])
                 if any(len(d) for d in drafts):
                     top = max(learned_scores[i] for i in ask)
                     self.learned_best = top if self.learned_best is None else max(self.learned_best, top)
-        self._last = (start, learned_s)
-        self.stats["learned_skipped"] += len(req_ids) - len(could_win)
+        self.stats["learned_skipped"] += len(req_ids) - len(ask)
         out = []
         for a, b, e, ea in zip(learned, suffix, scores, learned_scores):
             if not len(a) and not len(b):
