@@ -22,7 +22,9 @@
 #   bash bench/device_gpu.sh compile   # block drafters' propose compiled (torch_compile=True) against plain: the
 #                                      # compiled GPU tests, then drafter_profile
 #   bash bench/device_gpu.sh hybrid    # e2e at batch 1, 8, 32: null, suffix, dflash, dspark, hybrid, each block drafter
-#                                      # also compiled (a call of its own: up to 9 minutes)
+#                                      # compiled (the default on CUDA) and not (a call of its own: up to 9 minutes)
+#   bash bench/device_gpu.sh nullafter # null at batch 8 after a compiled drafter in the same process, with inductor's
+#                                      # compile workers and without (TORCHINDUCTOR_COMPILE_THREADS=1), then alone
 #   bash bench/device_gpu.sh cute      # cute_mla's GPU tests, then its columns beside triton_mla (wheels staged first)
 #   bash bench/device_gpu.sh helix     # bench/helix.py with cp = 1 (one GPU)
 #   bash bench/device_gpu.sh sampling  # greedy, half-sampled and all-sampled batches of 32 Spec-Bench prompts, null and
@@ -112,8 +114,17 @@ for part in "$@"; do
         --engine-paths new,new+compiled --out "$OUT/drafter_compile" 2>&1 | grep "^|" ;;
     hybrid)  # end to end (one call of its own): the compiled propose and the hybrid drafter beside null and suffix
       timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dflash+compile,dspark,dspark+compile,hybrid,hybrid+compile \
+        --batch-sizes 1,8,32 --drafters null,suffix,dflash+nocompile,dflash,dspark+nocompile,dspark,hybrid+nocompile,hybrid \
         --skip-hf --out "$OUT/e2e_hybrid" 2>&1 | grep "^|\|^- " ;;
+    nullafter)  # 2026-12-05: null at batch 8 ran 35-40 % slower (host launch time) after a compiled drafter
+      for threads in "" 1; do
+        echo "TORCHINDUCTOR_COMPILE_THREADS=${threads:-default}"
+        env ${threads:+TORCHINDUCTOR_COMPILE_THREADS=$threads} timeout 150 python bench/e2e.py --device cuda --dtype bfloat16 \
+          --problems 100-163 --max-new-tokens 256 --batch-sizes 1,8 --drafters dspark,null --skip-hf \
+          --out "$OUT/e2e_nullafter_${threads:-default}" 2>&1 | grep "^| specdec"
+      done
+      timeout 100 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 8 --drafters null --skip-hf --out "$OUT/e2e_null_alone" 2>&1 | grep "^| specdec" ;;
     cute)  # the CuTe DSL MLA kernel (needs the nvidia-cutlass-dsl wheels staged: see cute_mla's docstring),
            # then its columns beside triton_mla on the quick grid
       timeout 300 python -m pytest -m gpu tests/test_cute_mla.py -q -p no:cacheprovider -o addopts= 2>&1 | tail -15 \
