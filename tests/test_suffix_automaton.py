@@ -485,6 +485,10 @@ def test_drafts_carry_calibrated_confidences_and_explain_says_why():
     assert drafter.explain("r", 0) == []
     with pytest.raises(InvalidRequestError):
         drafter.explain("nope", 4)
+    drafter.start_request("once", [5, 6, 7, 8, 9, 10, 5, 6, 7])  # "5 6 7" occurred once before, never continued again
+    why = drafter.explain("once", 3)
+    assert [w[0] for w in why] == [8, 9, 10] and all(w[2:5] == (0, 0, 1) for w in why)
+    assert [w[1] for w in why] == [token_confidence(0, 0, 1, 3 + j, True) for j in range(3)]
 
 
 @SETTINGS
