@@ -47,6 +47,18 @@ def expected_accepted(draft: Draft, default: float) -> float:
     return total
 
 
+def _forwarded(drafter: str, name: str, default=None) -> property:
+    """The attribute ``name`` of ``self.<drafter>``: read (``default`` where it has none) and, for a
+    setting (no default), written through."""
+    def get(self):
+        return getattr(getattr(self, drafter), name, default)
+
+    def set_(self, value) -> None:
+        setattr(getattr(self, drafter), name, value)
+
+    return property(get, set_ if default is None else None, doc=f"``{drafter}.{name}``")
+
+
 @register_drafter("hybrid")
 class HybridDrafter(Drafter):
     """DSpark (or any block drafter) beside the suffix drafter; per request and step, the draft
@@ -106,29 +118,10 @@ class HybridDrafter(Drafter):
         self.learned_best: float | None = None
 
     # -- settings and figures of the two drafters -------------------------------------
-    @property
-    def cuda_graphs(self) -> bool:
-        return self.learned.cuda_graphs
-
-    @cuda_graphs.setter
-    def cuda_graphs(self, value: bool) -> None:
-        self.learned.cuda_graphs = value
-
-    @property
-    def torch_compile(self) -> bool:
-        return self.learned.torch_compile
-
-    @torch_compile.setter
-    def torch_compile(self, value: bool) -> None:
-        self.learned.torch_compile = value
-
-    @property
-    def global_tokens(self) -> int:
-        return getattr(self.suffix, "global_tokens", 0)
-
-    @property
-    def global_rebuilds(self) -> int:
-        return getattr(self.suffix, "global_rebuilds", 0)
+    cuda_graphs = _forwarded("learned", "cuda_graphs")
+    torch_compile = _forwarded("learned", "torch_compile")
+    global_tokens = _forwarded("suffix", "global_tokens", 0)
+    global_rebuilds = _forwarded("suffix", "global_rebuilds", 0)
 
     # -- hooks: the learned drafter's ---------------------------------------------
     def kv_layer_specs(self):
