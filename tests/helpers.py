@@ -3,7 +3,15 @@ since pytest puts the ``tests/`` folder on ``sys.path`` for its rootdir-less tes
 
 from __future__ import annotations
 
+import os
+import shutil
+
+import pytest
 import torch
+
+#: torch.compile's CPU backend (inductor) builds C++: tests of a compiled propose need a compiler
+needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")),
+                               reason="torch.compile on the CPU needs a C++ compiler (g++ or $CXX)")
 
 
 def tiny_llama(path, device, **kw):

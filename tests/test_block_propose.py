@@ -11,9 +11,7 @@ On CUDA, graph replays equal eager runs.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -31,10 +29,9 @@ from specdec.errors import ConfigError
 from specdec.kvcache import KVCacheManager, KVPool
 from specdec.kvcache.draft_kv import DraftKV
 
+from helpers import needs_cxx
+
 HAS_CUDA = torch.cuda.is_available()
-#: torch.compile's CPU backend (inductor) builds C++: the compiled-propose tests need a compiler
-needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")),
-                               reason="torch.compile on the CPU needs a C++ compiler (g++ or $CXX)")
 VOCAB, HIDDEN, TARGET_LAYERS = 96, 32, 3
 
 

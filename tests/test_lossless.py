@@ -6,13 +6,13 @@ mixed prompt lengths in one batch.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from specdec import SamplingParams, SpecEngine
 from specdec.drafters import DFlashDrafter, DSparkDrafter, NullDrafter, SuffixAutomatonDrafter
 from specdec.prompts import humaneval_prompts
+
+from helpers import needs_cxx
 
 pytestmark = pytest.mark.slow
 
@@ -86,12 +86,10 @@ def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, dra
     """The shipped SmolLM2 DFlash / DSpark checkpoints, sharing the target's KV pool; DSpark with its
     drafts cut by confidence (a cost profile where each verified row costs a tenth of a step); at
     batch 4 also with the propose compiled (``torch_compile=True``)."""
-    import shutil
-
     from specdec.draft_length import CostProfile
 
-    if compiled and not (shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX")):
-        pytest.skip("torch.compile on the CPU needs a C++ compiler (g++ or $CXX)")
+    if compiled and needs_cxx.args[0]:
+        pytest.skip(needs_cxx.kwargs["reason"])
     CostProfile({(1, 1): 1.0, (1, 17): 2.6, (8, 8): 1.0, (8, 136): 13.8}, {}).save(tmp_path / "cost.json")
     prompts = _prompts()
     drafter = drafter_cls(torch_compile=compiled)  # the shipped checkpoint for smollm2-135m
