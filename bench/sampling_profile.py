@@ -16,8 +16,8 @@ half-sampled batch) in each dtype of ``--dtypes``, with two sets of limits:
 Timed parts (median of ``--iters`` after one untimed call; device time, synchronised, except
 where the column says host):
 
-  h2d            the small host-to-device copies sample_rows and row_cutoffs make (host time):
-                 one pinned copy for sample_rows' vectors, one for row_cutoffs' top-p rows;
+  h2d            the small host-to-device copy sample_rows makes (host time): one pinned copy of
+                 every per-row vector (limits included);
                  "behind busy": the same queued behind ~1 ms of GPU work (torch.cuda._sleep),
                  and the five pageable copies they replaced: a host time near 1 ms means the
                  copy waited for the stream (the GPU then idles while the rest of the sampled
@@ -26,7 +26,10 @@ where the column says host):
   sort           the stable descending sort of every sampled row in one torch.sort call (as
                  row_cutoffs ran it before: 128 rows or more take cub's segmented sort on CUDA)
   sort chunked   the same sort as row_cutoffs runs it now (at most 127 rows a call; same result)
-  row_cutoffs    the top-p cutoffs in all (sort, softmax, cumsum, gathers)
+  row_cutoffs    the torch reference's top-p cutoffs in all (sort, fixed-point masses, gathers)
+  cutoff kernel  the sort-free Triton cutoffs (specdec.sampling_kernel.row_cutoffs) that sample_rows
+                 uses on CUDA, steady state ("1st": its first call, compilation included), and
+                 whether they keep exactly the reference's tokens
   kernel 1st     the Triton kernel's first call at this row count (compilation included, CUDA only)
   kernel         the Triton kernel, steady state (CUDA only)
   torch path     the torch reference from the cutoffs: mask, Gumbel noise, argmax
@@ -105,11 +108,9 @@ def row_sampling(n_sampled: int, limits: str) -> tuple[smp.RowSampling, int]:
 
 
 def h2d_copies(sampling: smp.RowSampling, dev: torch.device) -> None:
-    """The host-to-device copies sample_rows (and row_cutoffs for top-p rows) makes, as it makes them."""
-    smp._to_device([sampling.rows, sampling.keys, sampling.positions, sampling.drafts], [sampling.temperature], dev)
-    by_p = [i for i, p in enumerate(sampling.top_p) if p < 1.0]
-    if by_p:
-        smp._to_device([by_p, [sampling.top_k[i] for i in by_p]], [[sampling.top_p[i] for i in by_p]], dev)
+    """The host-to-device copy sample_rows makes, as it makes it."""
+    smp._to_device([sampling.rows, sampling.keys, sampling.positions, sampling.drafts, sampling.top_k],
+                   [sampling.temperature, sampling.top_p], dev)
 
 
 def h2d_pageable(sampling: smp.RowSampling, dev: torch.device) -> None:
@@ -154,6 +155,18 @@ def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.devi
         out["row_cutoffs_ms"] = timed(lambda: smp.row_cutoffs(z, sampling.top_k, sampling.top_p), dev, it)
     if has_kernel:
         from specdec import sampling_kernel as sk
+
+        if cut is not None:
+            top_k = torch.tensor(sampling.top_k, device=dev)
+            top_p = torch.tensor(sampling.top_p, dtype=torch.float32, device=dev)
+
+            def cutoffs():
+                return sk.row_cutoffs(logits, rows, temp, top_k, top_p)
+
+            out["cutoff_kernel_first_ms"] = timed(cutoffs, dev, 1, warm=False)
+            out["cutoff_kernel_ms"] = timed(cutoffs, dev, it)
+            out["cutoff_kernel_keeps_the_reference"] = bool(torch.equal(
+                torch.isfinite(smp.apply_cutoffs(z, cutoffs())), torch.isfinite(smp.apply_cutoffs(z, cut))))
 
         def kern():
             return sk.sample_tokens(logits, rows, temp, keys, pos, smp._STREAM_SAMPLE, cut)
@@ -318,7 +331,8 @@ def main() -> None:
                         f"e2e: {'random 2-layer Llama' if args.quick else args.target} {args.dtype}, "
                         f"batch {args.batch_size}, {args.max_new_tokens} new tokens, k {args.k}")
     cols = ["rows", "dtype", "limits", "h2d_host_ms", "h2d_behind_busy_host_ms", "h2d_pageable_behind_busy_host_ms",
-            "scale_ms", "sort_ms", "sort_chunked_ms", "row_cutoffs_ms", "kernel_first_ms",
+            "scale_ms", "sort_ms", "sort_chunked_ms", "row_cutoffs_ms", "cutoff_kernel_first_ms", "cutoff_kernel_ms",
+            "cutoff_kernel_keeps_the_reference", "kernel_first_ms",
             "kernel_ms", "torch_path_ms", "sample_rows_host_ms", "sample_rows_ms", "kernel_equals_torch"]
     md = [header, "", "## sample_rows, part by part (ms)", "",
           "| " + " | ".join(c.removesuffix("_ms").replace("_", " ") + (" (host)" if "host" in c else "")

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specdec.verify import verify_chains
+from specdec.verify import nucleus_prefix, verify_chains
 
 if TYPE_CHECKING:
     from specdec.config import SamplingParams
@@ -159,7 +159,8 @@ def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
 
     That is the prefix of the row's stable descending sort that top-k (``top_k`` tokens) and
     top-p (the smallest prefix whose renormalised top-k mass reaches ``top_p``; the top token
-    always) keep, ties at the cutoff kept in index order. Only the rows that ask for top-p are
+    always; exact fixed-point masses, :func:`specdec.verify.nucleus_prefix`) keep, ties at the
+    cutoff kept in index order. This is the torch reference: only the rows that ask for top-p are
     sorted; rows with top-k alone take :func:`torch.topk`'s ``k``-th value; rows without limits get
     ``(-inf, vocab)`` (keep all) and cost nothing. The limits are host lists: no synchronisation.
 
@@ -179,18 +180,7 @@ def row_cutoffs(z: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -
     if by_p:
         (sel, lims), (ps,) = _to_device([by_p, [ks[i] for i in by_p]], [[top_p[i] for i in by_p]], dev)  # [P] each
         srt, order = _sort_descending(z.index_select(0, sel))  # [P, vocab] each
-        if any(ks[i] < vocab for i in by_p):
-            rank = torch.arange(vocab, device=dev)  # [vocab]
-            drop = rank[None, :] >= lims[:, None]  # [P, vocab], sorted order: top-k
-            probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [P, vocab], sorted
-        else:  # no top-k: the mask would drop nothing (the same probabilities, two [P, vocab] passes fewer)
-            drop, probs = None, srt.softmax(dim=-1)
-        cumulative = probs.cumsum(dim=-1)
-        mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)  # [P, vocab]
-        by_mass = mass_before >= ps[:, None]  # top-p over the top-k renormalised mass
-        drop = by_mass if drop is None else drop | by_mass
-        drop[:, 0] = False  # the top token always survives
-        last = ((~drop).sum(dim=-1, keepdim=True) - 1)  # [P, 1]: the kept prefix is ranks 0..last
+        last = nucleus_prefix(srt, lims, ps).sum(dim=-1, keepdim=True) - 1  # [P, 1]: the kept prefix is 0..last
         thr.index_copy_(0, sel, srt.gather(1, last)[:, 0])
         icut.index_copy_(0, sel, order.gather(1, last)[:, 0].int())  # stable: the largest kept tie
     if by_k:
@@ -342,11 +332,15 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
     if not sampling:
         return argmax
     dev, vocab = logits.device, logits.shape[-1]
-    (rows, keys, positions, drafts), (temperature,) = _to_device(
-        [sampling.rows, sampling.keys, sampling.positions, sampling.drafts], [sampling.temperature], dev)  # [S] each
+    (rows, keys, positions, drafts, top_k), (temperature, top_p) = _to_device(
+        [sampling.rows, sampling.keys, sampling.positions, sampling.drafts, sampling.top_k],
+        [sampling.temperature, sampling.top_p], dev)  # [S] each
+    use_kernel = _use_kernel(dev, kernel)
     limited = [i for i, (k, p) in enumerate(zip(sampling.top_k, sampling.top_p)) if 0 < k < vocab or p < 1.0]
     cutoffs = None
-    if limited:  # cutoffs from the rows that ask for a limit (host-known: no synchronisation)
+    if limited and use_kernel:  # every row's cutoff in one sort-free kernel (rows without limits cost a load)
+        cutoffs = _kernel_module().row_cutoffs(logits, rows, temperature, top_k, top_p, argmax)
+    elif limited:  # cutoffs from the rows that ask for a limit (host-known: no synchronisation)
         if len(limited) == len(sampling):
             cutoffs = row_cutoffs(_scaled(logits, rows, temperature), sampling.top_k, sampling.top_p)
         else:
@@ -355,7 +349,7 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
                               [sampling.top_k[i] for i in limited], [sampling.top_p[i] for i in limited])
             cutoffs = (torch.full((len(sampling),), float("-inf"), device=dev).index_copy_(0, sel, sub[0]),
                        torch.full((len(sampling),), vocab, dtype=torch.int32, device=dev).index_copy_(0, sel, sub[1]))
-    if _use_kernel(dev, kernel):
+    if use_kernel:
         tokens, _ = _kernel_module().sample_tokens(logits, rows, temperature, keys, positions, _STREAM_SAMPLE, cutoffs)
         z = None
     else:

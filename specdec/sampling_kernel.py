@@ -5,11 +5,12 @@ What the kernel computes. For every sampled row ``s`` (one program per ``(row, v
 walking its split in blocks of ``BLOCK`` tokens), for each vocabulary index ``v``:
 
 - ``z = logits[rows[s], v] / temperature[s]`` in fp32 (round-to-nearest division, as torch's);
-- the shaping mask (top-k and top-p): the torch side computes beforehand, for the rows that ask
-  for a limit only, a per-row cutoff ``(thr, icut)`` (:func:`specdec.sampling.row_cutoffs`):
-  the kept tokens are those with ``z > thr``, or ``z == thr`` and ``v <= icut`` (ties at the
-  cutoff kept in index order, exactly the stable-sort prefix that
-  :func:`specdec.sampling.shape_logits` keeps); the others get ``-inf``;
+- the shaping mask (top-k and top-p): a per-row cutoff ``(thr, icut)`` computed beforehand by
+  :func:`row_cutoffs` here (the torch twin is :func:`specdec.sampling.row_cutoffs`): the kept
+  tokens are those with ``z > thr``, or ``z == thr`` and ``v <= icut`` (ties at the cutoff kept
+  in index order, exactly the stable-sort prefix that :func:`specdec.sampling.shape_logits`
+  keeps); the others get ``-inf``. :func:`row_cutoffs` finds that prefix without sorting the
+  row (a search on thresholds with exact fixed-point masses, see its docstring);
 - the Gumbel noise ``G(seed, position, v)`` of :func:`specdec.sampling.gumbel_noise`: the same
   counter hash (``mix32`` on uint32, whose wrapping products and logical shifts are the int64
   ``& 0xFFFFFFFF`` arithmetic of ``mix32`` bit for bit), the same uniform, and
@@ -25,11 +26,13 @@ perturbed logits ``z + G``, for tests).
 
 How it is tested (``tests/test_sampling_kernel.py``): on CPU the kernels run in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before this module is imported, in a subprocess); there
-``log``/``log1p`` are torch's own CPU functions (the interpreter has no libdevice), so the
-interpreted kernel must give exactly the torch reference's perturbed logits and tokens over
-random logits, vocabularies that are not multiples of the block, mixed temperature / top-k /
-top-p rows, ties and 64-bit seeds. On a CUDA GPU the compiled kernel (libdevice) is compared
-the same way against the torch path on the GPU at vocab 49152.
+``log``/``log1p``/``exp`` are torch's own CPU functions (the interpreter has no libdevice), so
+the interpreted kernels must give exactly the torch reference's cutoffs, perturbed logits and
+tokens over random logits, vocabularies that are not multiples of the block, mixed temperature
+/ top-k / top-p rows, ties, flat and hot rows, ``-inf`` logits and 64-bit seeds, through each of
+the cutoff search's paths (sorted candidates, the exact search and its ties pass). On a CUDA GPU
+the compiled kernels (libdevice) are compared the same way against the torch path on the GPU at
+vocab 49152.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import triton.language as tl
 
 from specdec.attention.backends.triton_interp import is_interpreted
 
-__all__ = ["INTERPRETED", "sample_tokens"]
+__all__ = ["INTERPRETED", "row_cutoffs", "sample_tokens"]
 
 BLOCK = 1024
 TARGET_PROGRAMS = 1024  # split the vocabulary until rows x splits reaches about this many programs
@@ -66,7 +69,7 @@ if INTERPRETED:
 
         return apply
 
-    _log, _log1p = _torch_unary(torch.log), _torch_unary(torch.log1p)
+    _log, _log1p, _exp = _torch_unary(torch.log), _torch_unary(torch.log1p), _torch_unary(torch.exp)
 
     def _gumbel(u):
         return -_log(-_log1p(-u))
@@ -76,6 +79,10 @@ else:
     @triton.jit
     def _gumbel(u):
         return -libdevice.log(-libdevice.log1p(-u))
+
+    @triton.jit
+    def _exp(x):
+        return libdevice.exp(x)
 
 
 @triton.jit
@@ -202,3 +209,277 @@ def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.T
     _reduce_splits_kernel[(n_rows,)](part_val, part_idx, tokens, splits,
                                      SPLITS=max(2, triton.next_power_of_2(triton.cdiv(vocab, BLOCK))))
     return tokens, perturbed
+
+
+# --------------------------------------------------------------------------- top-k / top-p cutoffs, sort-free
+
+CUT_BLOCK = 1024  # tokens a cutoff program reads per loop iteration
+CUT_PIVOTS = 8  # thresholds one pass over the row evaluates (the search narrows 7x a pass, at least)
+CUT_CAP = 1024  # most candidates sorted in registers (a power of two)
+CUT_MAX_PASSES = 16  # bound on the search's passes: 1 + ceil(32 / log2(7)) = 13 suffice for any fp32 row
+CUT_STAGES: tl.constexpr = tl.constexpr(2)  # loads in flight in the passes' loops (software pipelining)
+CUT_WARPS = 8
+
+
+@triton.jit
+def _ordered(z):
+    """fp32 -> int32 whose signed order is the float order (not NaN)."""
+    bits = z.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unordered(key):
+    """The inverse of :func:`_ordered`."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight(z, z_max):
+    """specdec.verify.fixed_point_weights: floor(exp(z - z_max) * 2**32) as int64."""
+    return (_exp(z - z_max) * 4294967296.0).to(tl.int64)
+
+
+@triton.jit
+def _row_block(src, start, vocab, temp, BLOCK: tl.constexpr):
+    """One block of a row: (indices, fp32 z = logits / temperature, -inf past the vocabulary)."""
+    idx = start + tl.arange(0, BLOCK)
+    inside = idx < vocab
+    x = tl.load(src + idx, mask=inside, other=0.0).to(tl.float32)
+    return idx, tl.where(inside, tl.math.div_rn(x, temp), float("-inf"))
+
+
+@triton.jit
+def _pick(vec, ar, j, other):
+    """``vec[j]`` of a small vector (``other`` is the identity of the max reduction)."""
+    return tl.max(tl.where(ar == j, vec, other), axis=0)
+
+
+@triton.jit
+def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.constexpr):
+    """Per threshold ``piv[j]``: how many tokens lie above it, their fixed-point mass, and the
+    largest value at or below it (``-inf`` if none). Each thread accumulates its own lanes over the
+    whole row; the lanes are reduced once, after the loop."""
+    count = tl.zeros([BLOCK, NP], tl.int32)
+    mass = tl.zeros([BLOCK, NP], tl.int64)
+    below = tl.full([BLOCK, NP], float("-inf"), tl.float32)
+    for start in tl.range(0, vocab, BLOCK, num_stages=CUT_STAGES):
+        idx, z = _row_block(src, start, vocab, temp, BLOCK)
+        w = _weight(z, z_max)
+        above = z[:, None] > piv[None, :]  # [BLOCK, NP]
+        count += above.to(tl.int32)
+        mass += tl.where(above, w[:, None], 0)
+        below = tl.maximum(below, tl.where(above, float("-inf"), z[:, None]))
+    return tl.sum(count, axis=0), tl.sum(mass, axis=0), tl.max(below, axis=0)
+
+
+@triton.jit
+def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, limit,
+            BLOCK: tl.constexpr, NP: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """Narrow down the value ``t`` of the last kept token.
+
+    A threshold ``c`` "passes" when the first token (in the stable order) of the largest value at
+    or below ``c`` is kept: fewer than ``k`` tokens lie above ``c`` and (with ``use_mass``) their mass
+    is below ``bound``. Passing is monotone in ``c``; ``t`` is the smallest value whose first token
+    is kept. Invariant after every pass: ``a`` fails, ``b`` is a value of the row that passes, and
+    ``t`` lies in ``(a, b]``. The first pass tries ``-inf``, ``max - 32 .. max - 1`` and ``max``; later
+    ones spread their thresholds evenly over the ordered integers between ``a`` and ``b``. Stops when
+    no float lies strictly between ``a`` and ``b`` (then ``t == b``) or when at most ``limit``
+    tokens lie above ``a`` (then the caller sorts those). With ``bound_from_total`` the mass bound
+    is ``p`` times the row's whole mass (measured by the first pass, whose first threshold is -inf).
+
+    Returns ``(a, tokens above a, b, tokens above b, mass above b, bound)``.
+    """
+    ar = tl.arange(0, NP)
+    guess = z_max - tl.exp2((NP - 2 - ar).to(tl.float32))  # max - 32, ..., max - 1 (NP = 8)
+    piv = tl.where(ar == 0, float("-inf"), tl.where(ar == NP - 1, z_max, guess))
+    a = tl.full((), float("-inf"), tl.float32)
+    b = z_max
+    above_a = tl.full((), 0, tl.int32)
+    above_b = tl.full((), 0, tl.int32)
+    mass_b = tl.full((), 0, tl.int64)
+    passes = tl.full((), 0, tl.int32)
+    done = tl.full((), 0, tl.int32)
+    while done == 0:
+        count, mass, below = _pivot_pass(src, vocab, temp, z_max, piv, BLOCK, NP)
+        if bound_from_total & (passes == 0):
+            bound = p.to(tl.float64) * _pick(mass, ar, 0, 0).to(tl.float64)  # the mass above -inf: all of it
+        ok = (count < k) & ((use_mass == 0) | (mass.to(tl.float64) < bound))
+        j = tl.argmax(ok.to(tl.int32), axis=0, tie_break_left=True)  # the first passing threshold
+        all_pass = j == 0  # only -inf (first pass) can: every finite token is kept, t is -inf
+        a = tl.where(all_pass, float("-inf"), _pick(piv, ar, j - 1, float("-inf")))
+        above_a = tl.where(all_pass, vocab + 1, _pick(count, ar, j - 1, -1))  # vocab + 1: never sorted
+        b = _pick(below, ar, j, float("-inf"))
+        above_b = _pick(count, ar, j, -1)
+        mass_b = _pick(mass, ar, j, -1)
+        passes += 1
+        key_a = _ordered(a).to(tl.int64)
+        key_b = _ordered(b).to(tl.int64)
+        converged = all_pass | (key_b - key_a <= 1)
+        done = (converged | (above_a <= limit) | (passes >= MAX_PASSES)).to(tl.int32)
+        spread = key_a + ((key_b - key_a) * ar) // (NP - 1)  # [NP] from a to b
+        piv = _unordered(spread.to(tl.int32))
+    return a, above_a, b, above_b, mass_b, bound
+
+
+@triton.jit
+def _sorted_cutoff(src, vocab, temp, z_max, a, above_a, k, p, use_mass, bound, bound_from_k, scratch,
+                   BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """The cutoff among the ``above_a <= CAP`` tokens above ``a`` (which hold every kept token):
+    gathered into ``scratch`` as (descending value, index) keys, sorted in registers, masses summed
+    in order. With ``bound_from_k`` the mass bound is ``p`` times the mass of the first ``k``."""
+    base = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx, z = _row_block(src, start, vocab, temp, BLOCK)
+        sel = z > a
+        slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        packed = ((~_ordered(z)).to(tl.int64) << 32) | idx.to(tl.int64)  # ascending = stable descending
+        tl.store(scratch + slot, packed, mask=sel)
+        base += tl.sum(sel.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the candidates were written by other threads of this program
+    rank = tl.arange(0, CAP)
+    valid = rank < above_a
+    packed = tl.sort(tl.load(scratch + rank, mask=valid, other=0x7FFFFFFFFFFFFFFF), dim=0)
+    z = _unordered(~(packed >> 32).to(tl.int32))
+    idx = (packed & 0xFFFFFFFF).to(tl.int32)
+    w = _weight(tl.where(valid, z, float("-inf")), z_max)  # 0 past the candidates
+    before = tl.cumsum(w, axis=0) - w
+    top_k_mass = tl.sum(tl.where(rank < k, w, 0), axis=0)
+    bound = tl.where(bound_from_k, p.to(tl.float64) * top_k_mass.to(tl.float64), bound)
+    keep = valid & (rank < k) & ((use_mass == 0) | (before.to(tl.float64) < bound))
+    last = tl.sum(keep.to(tl.int32), axis=0) - 1
+    return _pick(z, rank, last, float("-inf")), _pick(idx, rank, last, -1)
+
+
+@triton.jit
+def _tie_cutoff(src, vocab, temp, z_max, t, above_t, mass_t, k, use_mass, bound, BLOCK: tl.constexpr):
+    """The cutoff when the last kept value ``t`` is known: how many of the tokens equal to ``t`` stay
+    (index order), and the index of the last of them (``vocab``: all stay). Also returns how many
+    tokens equal ``t``."""
+    n = k - above_t  # >= 1
+    w_t = _weight(t, z_max)
+    if use_mass & (w_t > 0):  # the ties j = 0, 1, ... stay while mass_t + j * w_t < bound (exact in float64)
+        mass_f = mass_t.to(tl.float64)
+        w_f = w_t.to(tl.float64)
+        q = tl.minimum((bound - mass_f) / w_f, vocab + 1.0)
+        n_p = tl.maximum(q.to(tl.int32) - 1, 0)
+        for _ in tl.static_range(3):
+            n_p = tl.where(mass_f + n_p.to(tl.float64) * w_f < bound, n_p + 1, n_p)
+        n = tl.minimum(n, n_p)
+    seen = tl.full((), 0, tl.int32)
+    found = tl.full((), 0, tl.int32) + vocab
+    for start in range(0, vocab, BLOCK):
+        idx, z = _row_block(src, start, vocab, temp, BLOCK)
+        eq = z == t
+        nth = (seen + tl.cumsum(eq.to(tl.int32), axis=0)) == n
+        found = tl.minimum(found, tl.min(tl.where(eq & nth, idx, vocab), axis=0))
+        seen += tl.sum(eq.to(tl.int32), axis=0)
+    return t, found, seen
+
+
+@triton.jit
+def _cutoff(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, bound_from_k, limit, scratch,
+            BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """One search, then the sorted candidates or the ties pass: ``(thr, icut, ties, t, above t, mass above t)``
+    (the last four only from the ties pass; ``ties`` is -1 after a sort)."""
+    a, above_a, t, above_t, mass_t, bound = _search(src, vocab, temp, z_max, k, p, use_mass, bound,
+                                                    bound_from_total, limit, BLOCK, NP, MAX_PASSES)
+    if above_a <= limit:
+        thr, icut = _sorted_cutoff(src, vocab, temp, z_max, a, above_a, k, p, use_mass | bound_from_k, bound,
+                                   bound_from_k, scratch, BLOCK, CAP)
+        ties = tl.full((), -1, tl.int32)
+    else:
+        thr, icut, ties = _tie_cutoff(src, vocab, temp, z_max, t, above_t, mass_t, k, use_mass, bound, BLOCK)
+    return thr, icut, ties, t, above_t, mass_t
+
+
+@triton.jit(do_not_specialize=["vocab", "limit"],
+            do_not_specialize_on_alignment=["ROWS", "ARGMAX", "TEMP", "TOP_K", "TOP_P", "THR", "ICUT"])
+def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH, THR, ICUT, vocab, limit,
+                   HAS_ARGMAX: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
+                   MAX_PASSES: tl.constexpr):
+    s = tl.program_id(0)
+    row = tl.load(ROWS + s)
+    temp = tl.load(TEMP + s)
+    k_in = tl.load(TOP_K + s)
+    p = tl.load(TOP_P + s)
+    has_k = (k_in > 0) & (k_in < vocab)
+    has_p = p < 1.0
+    k = tl.where(has_k, k_in, vocab + 1).to(tl.int32)  # vocab + 1: the count never binds
+    src = LOGITS + row.to(tl.int64) * stride_row
+    scratch = SCRATCH + s.to(tl.int64) * CAP
+    thr = tl.full((), float("-inf"), tl.float32)
+    icut = tl.full((), 0, tl.int32) + vocab
+    if has_k | has_p:
+        if HAS_ARGMAX:  # the row's largest logit, divided as every z is (rounding keeps the order): max z
+            z_max = tl.math.div_rn(tl.load(src + tl.load(ARGMAX + row)).to(tl.float32), temp)
+        else:
+            lanes = tl.full([BLOCK], float("-inf"), tl.float32)
+            for start in tl.range(0, vocab, BLOCK, num_stages=CUT_STAGES):
+                idx, z = _row_block(src, start, vocab, temp, BLOCK)
+                lanes = tl.maximum(lanes, z)
+            z_max = tl.max(lanes, axis=0)
+        z_max = tl.where(z_max == float("-inf"), 0.0, z_max)  # a row of -inf only: every weight is 0
+        # Top-p alone: one search on the mass. Top-k (with or without top-p): a search on the count,
+        # whose candidates hold all of top-k; if they were too many to sort, top-k's mass comes from
+        # the ties pass and a second search finds top-p's cutoff within it.
+        top_p_only = has_p & ~has_k
+        zero = tl.full((), 0.0, tl.float64)
+        thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, top_p_only, zero, top_p_only,
+                                                      has_p & has_k, limit, scratch, BLOCK, NP, CAP, MAX_PASSES)
+        if has_k & has_p & (ties >= 0):
+            top_k_mass = mass_t + tl.minimum(ties, k - above_t).to(tl.int64) * _weight(t, z_max)
+            bound = p.to(tl.float64) * top_k_mass.to(tl.float64)
+            no = tl.full((), 0, tl.int1)
+            thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, has_p, bound, no, no, limit,
+                                                          scratch, BLOCK, NP, CAP, MAX_PASSES)
+    tl.store(THR + s, thr)
+    tl.store(ICUT + s, icut)
+
+
+def row_cutoffs(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, argmax: torch.Tensor | None = None,
+                limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`specdec.sampling.row_cutoffs` of ``logits[rows] / temperature``, without sorting a row.
+
+    The same ``(thr, icut)`` keep-sets, bit for bit, as the torch reference (one stable sort of every
+    top-p row, then exact fixed-point prefix masses, :func:`specdec.verify.nucleus_prefix`). One
+    program per row finds the last kept token by a search on thresholds: a pass over the row
+    counts, for ``CUT_PIVOTS`` thresholds at once, the tokens above each and their fixed-point mass
+    (exact integers: the order of summation does not matter), then narrows to the two thresholds
+    around the cutoff. Once at most ``limit`` tokens lie above the lower one (usually after the
+    first pass: ``max - 32 .. max - 1``), those are gathered and sorted in registers; otherwise (a
+    flat row, a large top-k) the search goes on to the exact value and a last pass places the
+    cutoff among its ties. With the rows' argmax given (the step has it already), about three
+    passes over the row in the usual case: the first search pass, maybe a second, the gathering.
+
+    Args:
+        logits: ``[n, vocab]`` logits, any float dtype, rows contiguous in the vocabulary.
+        rows: ``[S]`` int64 row of ``logits`` per sampled row; temperature: ``[S]`` fp32 > 0.
+        top_k: ``[S]`` int64, 0 or ``>= vocab`` = no limit; top_p: ``[S]`` fp32 in ``(0, 1]``.
+        argmax: ``[n]`` int64 argmax of every row of ``logits`` (its maximum is then read, not searched
+            for), or ``None``.
+        limit: sort the candidates once at most this many remain (``<= CUT_CAP``, the default;
+            0 never sorts: tests use it to run the exact search on every row).
+
+    Returns:
+        ``(thr [S] fp32, icut [S] int32)``; rows without limits get ``(-inf, vocab)``. No host
+        synchronisation.
+    """
+    limit = CUT_CAP if limit is None else limit
+    if not 0 <= limit <= CUT_CAP:
+        raise ValueError(f"limit must be in [0, {CUT_CAP}], got {limit}")
+    n_rows, vocab = rows.shape[0], logits.shape[-1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    dev = logits.device
+    thr = torch.empty(n_rows, dtype=torch.float32, device=dev)
+    icut = torch.empty(n_rows, dtype=torch.int32, device=dev)
+    if n_rows == 0:
+        return thr, icut
+    scratch = torch.empty(n_rows, CUT_CAP, dtype=torch.int64, device=dev)
+    _cutoff_kernel[(n_rows,)](logits, logits.stride(0), rows, argmax if argmax is not None else rows, temperature,
+                              top_k, top_p, scratch, thr, icut, vocab, limit, HAS_ARGMAX=argmax is not None,
+                              BLOCK=CUT_BLOCK, NP=CUT_PIVOTS, CAP=CUT_CAP, MAX_PASSES=CUT_MAX_PASSES,
+                              num_warps=CUT_WARPS)
+    return thr, icut

@@ -30,19 +30,70 @@ if TYPE_CHECKING:
     from specdec.config import SamplingParams
     from specdec.drafters.base import Draft
 
-__all__ = ["greedy_verify", "logits_to_probs", "rejection_sample", "verify_draft"]
+__all__ = ["FIXED_POINT_ONE", "fixed_point_weights", "greedy_verify", "logits_to_probs", "nucleus_prefix",
+           "rejection_sample", "verify_draft"]
+
+
+FIXED_POINT_ONE = 2 ** 32
+"""The weight of a row's most likely token in the fixed-point masses of top-p (:func:`nucleus_prefix`)."""
+
+
+def fixed_point_weights(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+    """``floor(exp(z - z_max) * 2**32)`` as int64: the top-p weights of log-weights ``z``.
+
+    Every weight is computed on its own (fp32 ``exp``, an exact scaling by a power of two, an exact
+    truncation), and sums of weights are exact integers (below ``2**53`` for any vocabulary under
+    ``2**21`` tokens), so a mass does not depend on the order it is summed in: a sort, a
+    parallel reduction and a radix search all find the same nucleus, bit for bit. A token whose
+    probability is below ``2**-32`` of the most likely token's weighs 0.
+
+    Args:
+        z: ``[..., vocab]`` fp32 log-weights (``logits / temperature``).
+        z_max: ``z``'s maximum over the last dimension, broadcastable against ``z`` (a row of
+            ``-inf`` only should pass 0).
+    """
+    return (torch.exp(z - z_max) * float(FIXED_POINT_ONE)).long()
+
+
+def nucleus_prefix(sorted_z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which ranks of descending-sorted log-weights top-k then top-p keep: a prefix of each row.
+
+    Top-k keeps the first ``top_k`` ranks. Top-p then keeps rank ``r`` while the mass before it
+    (the ranks ``< r``, within top-k) is below ``top_p`` of top-k's mass, so the kept set is the
+    smallest prefix whose mass reaches ``top_p``; rank 0 always stays. Masses are the exact
+    fixed-point sums of :func:`fixed_point_weights` (probabilities to ``2**-32`` of the most likely
+    token's), compared in float64 as ``before < top_p * total`` with ``total < 2**53``: exact.
+
+    Args:
+        sorted_z: ``[n, vocab]`` fp32, each row sorted descending (ties in index order).
+        top_k: ``[n]`` int64 in ``[1, vocab]`` (``vocab`` = no limit).
+        top_p: ``[n]`` fp32 in ``(0, 1]``; rows at 1 skip top-p.
+
+    Returns:
+        ``[n, vocab]`` bool, True on the kept ranks.
+    """
+    rank = torch.arange(sorted_z.shape[-1], device=sorted_z.device)  # [vocab]
+    keep = rank[None, :] < top_k[:, None]  # [n, vocab]
+    z_max = sorted_z[:, :1]
+    z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # [n, 1]
+    w = fixed_point_weights(sorted_z, z_max).masked_fill(~keep, 0)  # [n, vocab] int64
+    before = w.cumsum(dim=-1) - w  # exact integer prefix masses
+    bound = top_p.double()[:, None] * w.sum(dim=-1, keepdim=True).double()  # [n, 1]
+    return keep & ((before.double() < bound) | (top_p[:, None] >= 1.0))
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn target logits into the distribution ``p`` that sampling draws from.
 
     Applies, in order: temperature, top-k, top-p (nucleus), then renormalises.
-    The baseline (null drafter) and the speculative path both call this, so
+    The baseline (null drafter) and the speculative path both use this shaping, so
     ``p`` is shaped identically in both (docs/design.md §6).
 
-    Top-p keeps the smallest prefix of the descending-sorted probabilities whose
-    mass is ``>= top_p``; the most likely token is always kept. Top-k keeps
-    exactly ``top_k`` tokens (ties broken by :func:`torch.topk`).
+    Tokens are ranked by descending ``logits / temperature``, ties in index order (a stable
+    sort). Top-k keeps the first ``top_k`` ranks; top-p keeps the smallest prefix of those
+    whose mass reaches ``top_p`` (the most likely token always), masses being exact
+    fixed-point sums (:func:`nucleus_prefix`), so that the batched sampler, which finds the
+    same prefix without sorting, keeps exactly the same tokens.
 
     Args:
         logits: ``[n, vocab]`` target logits, any float dtype.
@@ -52,27 +103,19 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         ``[n, vocab]`` fp32 probabilities; every row sums to 1.
 
     Raises:
-        ConfigError: ``params.temperature`` is 0 (greedy decoding uses the argmax).
+        ConfigError: ``params.temperature`` is 0 (greedy decoding uses argmax).
     """
     if params.greedy:
         raise ConfigError("temperature must be > 0 for logits_to_probs; greedy decoding (temperature 0) uses argmax")
-    logits = logits.float() / params.temperature  # [n, vocab]
-    vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:
-        top = logits.topk(params.top_k, dim=-1)  # [n, top_k]
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
-    probs = logits.softmax(dim=-1)  # [n, vocab]
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [n, vocab] each
-        # Mass strictly before each sorted token: keep while it is still < top_p.
-        cumulative = sorted_probs.cumsum(dim=-1)  # [n, vocab]
-        mass_before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)  # [n, vocab]
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[..., 0] = False  # the top token always survives
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # [n, vocab], unsorted
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    z = logits.float() / params.temperature  # [n, vocab]
+    n, vocab = z.shape
+    if 0 < params.top_k < vocab or params.top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)  # [n, vocab] each
+        top_k = torch.full((n,), params.top_k if 0 < params.top_k < vocab else vocab, device=z.device)
+        top_p = torch.full((n,), float(params.top_p), dtype=torch.float32, device=z.device)
+        drop_sorted = ~nucleus_prefix(sorted_z, top_k, top_p)  # [n, vocab], sorted order
+        z = z.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    return z.softmax(dim=-1)
 
 
 def greedy_verify(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> list[int]:

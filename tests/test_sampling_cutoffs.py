@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.sampling import SORT_ROWS, _sort_descending, row_cutoffs
+from specdec.verify import nucleus_prefix
 
 
 def one_call_cutoffs(z: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,13 +32,7 @@ def one_call_cutoffs(z: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
         lims = torch.tensor([[ks[i] for i in by_p]], dtype=torch.long).to(dev)
         ps = torch.tensor([top_p[i] for i in by_p], dtype=torch.float32).to(dev)
         srt, order = z.index_select(0, sel).sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=dev)
-        drop = rank[None, :] >= lims[0][:, None]
-        probs = srt.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        cumulative = probs.cumsum(dim=-1)
-        mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
-        drop |= mass_before >= ps[:, None]
-        drop[:, 0] = False
+        drop = ~nucleus_prefix(srt, lims[0], ps)
         last = ((~drop).sum(dim=-1, keepdim=True) - 1)
         thr.index_copy_(0, sel, srt.gather(1, last)[:, 0])
         icut.index_copy_(0, sel, order.gather(1, last)[:, 0].int())

@@ -25,13 +25,14 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_interpreted
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec import SamplingParams
 from specdec.drafters import Draft
 from specdec.sampling import (_STREAM_SAMPLE, RowSampling, apply_cutoffs, gumbel_noise, request_key, row_cutoffs,
                               sample_rows)
+from specdec.verify import nucleus_prefix
 
 pytest.importorskip("triton", reason="triton is not installed (pip extra 'gpu'): no sampling kernel to test")
 
@@ -52,17 +53,12 @@ SEEDS = st.one_of(st.integers(0, 2**16), st.sampled_from([2**64 - 1, 2**63, 2**3
 
 
 def _sorted_mask(z: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """The stable-sort mask of top-k then top-p (how shape_logits shaped every row before the cutoffs)."""
+    """The stable-sort mask of top-k then top-p (exact fixed-point masses, verify.nucleus_prefix)."""
     vocab = z.shape[-1]
     tk, tp = torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32)
     srt, order = z.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab)
     k = torch.where((tk > 0) & (tk < vocab), tk, vocab)
-    drop = rank[None, :] >= k[:, None]
-    cumulative = srt.masked_fill(drop, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
-    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
-    drop |= (mass_before >= tp[:, None]) & (tp[:, None] < 1.0)
-    drop[:, 0] = False
+    drop = ~nucleus_prefix(srt, k, tp)
     return z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
@@ -98,6 +94,100 @@ def test_row_cutoffs_cut_through_ties_in_index_order():
     assert torch.isfinite(apply_cutoffs(z, (thr, icut))).tolist() == [[False, True, True, True, False, False, False]]
     thr, icut = row_cutoffs(z, [0], [1.0])  # no limit: keep all
     assert thr.tolist() == [float("-inf")] and icut.tolist() == [7]
+
+
+# --------------------------------------------------------------------------- the sort-free cutoff kernel
+
+
+def _cutoff_logits(gen: torch.Generator, n: int, vocab: int, kind: str) -> torch.Tensor:
+    """``[n, vocab]`` fp32 logits: random, coarse (exact ties), flat (equal or nearly), hot (top-p
+    needs most of the vocabulary), or random with ``-inf`` stretches."""
+    x = torch.randn(n, vocab, generator=gen) * 3
+    if kind == "ties":
+        x = (x * 2).round() / 2
+    elif kind == "flat":
+        x = torch.where(torch.arange(n)[:, None] % 2 == 0, torch.zeros_like(x), x * 1e-4)
+    elif kind == "hot":
+        x = x / 40.0
+    elif kind == "inf":
+        x[:, ::3] = float("-inf")
+        x[0] = float("-inf")
+    return x
+
+
+def _kernel_keeps(logits, rows, temperature, top_k, top_p, limit, with_argmax=True) -> torch.Tensor:
+    argmax = logits.argmax(dim=-1) if with_argmax else None  # the maximum read at the argmax, or searched for
+    thr, icut = sampling_kernel.row_cutoffs(logits, rows, temperature, top_k, top_p, argmax, limit=limit)
+    z = logits.index_select(0, rows).float() / temperature[:, None]
+    return torch.isfinite(apply_cutoffs(z, (thr, icut)))
+
+
+@pytest.fixture
+def small_cap(monkeypatch):
+    """In the interpreter, sort at most 64 candidates (a 1024-wide sort takes seconds there)."""
+    if INTERPRETED:
+        monkeypatch.setattr(sampling_kernel, "CUT_CAP", 64)
+    return sampling_kernel.CUT_CAP
+
+
+CUT_ROW = st.tuples(st.sampled_from([0.3, 0.7, 1.0, 1.7]), st.sampled_from([0, 0, 1, 2, 5, 40, 70, 5000]),
+                    st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.99, 0.05]))
+
+
+@needs_kernels
+@given(seed=st.integers(0, 2**20), vocab=st.sampled_from([1, 5, 100, 1000, 1031]),
+       kind=st.sampled_from(["random", "ties", "flat", "hot", "inf"]), rows=st.lists(CUT_ROW, min_size=1, max_size=5),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), limit=st.sampled_from(["cap", 16, 0]),
+       with_argmax=st.booleans())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_cutoff_kernel_keeps_what_the_sorting_reference_keeps(small_cap, seed, vocab, kind, rows, dtype, limit,
+                                                              with_argmax):
+    """Every path of the search (candidates sorted at once, after a few passes, or never: the exact
+    search and its ties pass; top-k and top-p apart or together, top-k beyond the candidates)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = _cutoff_logits(gen, len(rows) + 1, vocab, kind).to(dtype).to(DEVICE)
+    picked = torch.randperm(len(rows) + 1, generator=gen)[:len(rows)].to(DEVICE)
+    temperature = torch.tensor([r[0] for r in rows], dtype=torch.float32, device=DEVICE)
+    top_k, top_p = [r[1] for r in rows], [r[2] for r in rows]
+    got = _kernel_keeps(logits, picked, temperature, torch.tensor(top_k, device=DEVICE),
+                        torch.tensor(top_p, dtype=torch.float32, device=DEVICE), small_cap if limit == "cap" else limit,
+                        with_argmax)
+    z = logits.index_select(0, picked).float() / temperature[:, None]
+    want = torch.isfinite(_sorted_mask(z.cpu(), top_k, top_p))
+    assert torch.equal(got.cpu(), want), (got.cpu() != want).sum(dim=-1).tolist()
+
+
+@needs_kernels
+def test_cutoff_kernel_paths_on_chosen_rows(small_cap):
+    """Rows built to take each path: a peaked row (sorted at once), a flat row whose nucleus is
+    larger than the candidates can hold (exact search), top-k beyond the candidates with top-p
+    (two searches), a cut through exact ties, rows without limits, and a row of -inf."""
+    vocab = 600
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, vocab, generator=gen) * 3
+    logits[1] = torch.linspace(0.0, 1e-3, vocab)  # flat: top-p 0.9 keeps about 540 tokens
+    logits[3] = logits[4] = torch.tensor([2.0, 1.0] * (vocab // 2))  # 300 tokens tie at 2.0, 300 at 1.0
+    logits[6] = float("-inf")
+    logits = logits.to(DEVICE)
+    rows = torch.arange(7, device=DEVICE)
+    temperature = torch.tensor([0.7, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], device=DEVICE)
+    top_k = [0, 0, 500, 10, 0, 0, 3]
+    top_p = [0.9, 0.9, 0.9, 1.0, 0.37, 1.0, 0.5]
+    want = torch.isfinite(_sorted_mask((logits / temperature[:, None]).cpu(), top_k, top_p))
+    for limit, with_argmax in ((small_cap, True), (0, True), (small_cap, False)):
+        got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device=DEVICE),
+                            torch.tensor(top_p, dtype=torch.float32, device=DEVICE), limit, with_argmax)
+        assert torch.equal(got.cpu(), want), (limit, (got.cpu() != want).sum(dim=-1).tolist())
+    kept = want.sum(dim=-1).tolist()
+    assert kept[1] > small_cap and kept[3] == 10 and kept[5] == vocab, kept
+    # the ties at 2.0 hold 1 / (1 + e^-1) of the mass: top-p 0.37 keeps the first 152 of them, in index order
+    assert want[4].nonzero()[:, 0].tolist() == list(range(0, 2 * 152, 2))
+
+
+def test_cutoff_kernel_refuses_a_limit_past_its_capacity():
+    with pytest.raises(ValueError, match="limit"):
+        sampling_kernel.row_cutoffs(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                                    torch.zeros(1, dtype=torch.long), torch.ones(1), limit=sampling_kernel.CUT_CAP + 1)
 
 
 # --------------------------------------------------------------------------- kernel vs torch
@@ -166,9 +256,9 @@ def test_kernel_with_infinite_logits_and_one_token_rows():
 
 @needs_kernels
 @pytest.mark.parametrize("with_probs", [False, True], ids=["deterministic_drafts", "drafts_with_probs"])
-def test_sample_rows_gives_the_same_tokens_with_the_kernel(with_probs):
-    """The whole of sample_rows, kernel against torch: greedy rows among sampled ones, limits on some
-    rows only, rejection sampling on the rows whose drafts carry q."""
+def test_sample_rows_gives_the_same_tokens_with_the_kernel(small_cap, with_probs):
+    """The whole of sample_rows, kernels (cutoffs and sampling) against torch: greedy rows among
+    sampled ones, limits on some rows only, rejection sampling on the rows whose drafts carry q."""
     gen = torch.Generator().manual_seed(7)
     vocab, n_req = 1000, 12
     params = [SamplingParams() if i % 4 == 3 else
@@ -193,6 +283,7 @@ def test_the_default_path_is_torch_off_cuda(monkeypatch):
         raise AssertionError("the kernel was called")
 
     monkeypatch.setattr(sampling_kernel, "sample_tokens", refuse)
+    monkeypatch.setattr(sampling_kernel, "row_cutoffs", refuse)
     monkeypatch.setattr(sampling, "USE_KERNEL", None)
     sampled = RowSampling()
     sampled.add(0, SamplingParams(temperature=1.0, top_p=0.9), request_key(1), 0, None)
@@ -255,3 +346,25 @@ def test_one_compiled_variant_serves_every_row_count():
         counts.append(compiled())
     torch.cuda.synchronize()
     assert counts == [counts[0]] * len(counts), counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (and the kernel compiled for it)")
+@pytest.mark.parametrize("n_rows", [16, 288])
+@pytest.mark.parametrize("kind", ["random", "ties", "flat", "hot", "inf"])
+def test_cutoff_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, kind):
+    """The compiled cutoff kernel (libdevice exp) against the sorting torch path on the GPU (torch's exp):
+    the same kept tokens, whichever path each row takes."""
+    gen = torch.Generator().manual_seed(n_rows)
+    logits = _cutoff_logits(gen, n_rows, 49152, kind).to(torch.bfloat16).cuda()
+    rows = torch.arange(n_rows, device="cuda")
+    choices = [(0.8, 0, 0.95), (1.0, 50, 1.0), (0.7, 0, 0.9), (1.3, 20, 0.8), (1.0, 3000, 0.99), (1.0, 0, 0.5)]
+    params = [choices[i % len(choices)] for i in range(n_rows)]
+    temperature = torch.tensor([p[0] for p in params], device="cuda")
+    top_k, top_p = [p[1] for p in params], [p[2] for p in params]
+    z = logits.float() / temperature[:, None]
+    want = torch.isfinite(apply_cutoffs(z, row_cutoffs(z, top_k, top_p)))
+    for limit, with_argmax in ((None, True), (0, True), (None, False)):
+        got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device="cuda"),
+                            torch.tensor(top_p, device="cuda"), limit, with_argmax)
+        assert torch.equal(got, want), (limit, (got != want).sum(dim=-1).tolist())
