@@ -363,7 +363,8 @@ def _bound_pair(kind: str, tpb: int, pad: bool, device="cpu", dtype=torch.float3
 @given(seed=hst.integers(0, 10**6), kind=hst.sampled_from(KINDS), tpb=hst.sampled_from([4, 16]), pad=hst.booleans())
 def test_staged_context_writes_equal_immediate_writes(seed, kind, tpb, pad):
     """Any interleaving of prompts, accepted spans, proposes of any subset, requests that are not
-    proposed for (their staged writes flushed by the next step) and stopped requests: the drafts,
+    proposed for (their positions stay staged over several steps, until they outgrow what a propose
+    writes or their staging section comes round again) and stopped requests: the drafts,
     confidences and, in the end, every context position's K/V equal those of immediate writes."""
     staged_vs_immediate(seed, kind, tpb, pad)
 
@@ -376,7 +377,7 @@ def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str =
     staged.torch_compile = compiled
     width = len(staged.target_layer_ids) * HIDDEN
     live, next_id = [], 0
-    for _ in range(10):
+    for _ in range(14):  # more steps than STAGE_STEPS: staging sections are reused
         if len(live) < 4 and rng.random() < 0.5:  # a new request and its prompt, maybe short enough to stage
             r, n = f"r{next_id}", rng.choice([1, 3, 6, 7, 25])
             next_id += 1
@@ -422,6 +423,42 @@ def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str =
             torch.testing.assert_close(staged.kv.k(i)[staged.kv.slots(r, 0, n)], plain.kv.k(i)[plain.kv.slots(r, 0, n)],
                                        rtol=1e-5, atol=1e-5)
     return staged, plain
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 3])
+def test_staged_positions_survive_steps_without_a_propose(monkeypatch, per_step):
+    """A request left out of proposes keeps its positions staged (no eager write) until they would
+    outgrow what one propose writes (block_size + 1) or their section of the staging buffer comes
+    round again (STAGE_STEPS steps); then only that request's positions are written at once."""
+    from specdec.drafters import dflash
+
+    staged, _ = _bound_pair("dspark", 4, pad=False)
+    writes = []
+    real_write = staged._write
+    monkeypatch.setattr(staged, "_write", lambda hidden, runs: (writes.append(sum(len(r[1]) for r in runs)),
+                                                              real_write(hidden, runs)))
+    width = len(staged.target_layer_ids) * HIDDEN
+    g = torch.Generator().manual_seed(0)
+    for r in ("a", "b"):
+        staged.start_request(r, [1] * 21)
+        staged.on_contexts([(r, 0, 0, 20)], torch.randn(20, width, generator=g))  # a prompt: written now
+    assert writes == [20, 20]
+    writes.clear()
+    D = staged._defer
+    flushed_at = []
+    for step in range(12):
+        staged.propose(["a"], 3)  # "b" is never proposed for
+        spans = [("a", staged._ctx_len["a"], 0, per_step), ("b", staged._ctx_len["b"], per_step, per_step)]
+        for r, *_ in spans:
+            staged.on_accepted(r, [2] * per_step)
+        before = len(writes)
+        staged.on_contexts(spans, torch.randn(2 * per_step, width, generator=g))
+        if len(writes) > before:
+            flushed_at.append(step)
+            assert writes[-1] <= D  # "b" alone, never "a" (its positions went with its propose)
+        assert len(staged._pending["b"][0]) <= D and len(staged._pending["a"][0]) == per_step
+    every = min(dflash.STAGE_STEPS, D // per_step)  # steps a staged position can wait
+    assert flushed_at == list(range(every, 12, every)), (flushed_at, D)
 
 
 @needs_cxx

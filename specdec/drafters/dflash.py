@@ -17,12 +17,15 @@ that they recur: attention plans are reused and each bucket's forward is
 captured once as a CUDA graph and replayed (``cuda_graphs``). On the CPU
 nothing is padded and no graph is used.
 
-Context writes ride in the next propose: :meth:`BlockDrafter.on_contexts` copies a
-generation step's hidden states (at most ``block_size + 1`` accepted positions per
-request) into a staging buffer, and the next propose projects them and writes their
-K/V inside its graph, before the block reads them; padding rows write to the
-KV's scratch slot. Prompts (longer spans), and writes still pending when new ones
-arrive, are written at once. Without a scratch slot every write is immediate.
+Context writes ride in the next propose that drafts for the request:
+:meth:`BlockDrafter.on_contexts` copies a generation step's hidden states (at most
+``block_size + 1`` accepted positions per request) into a staging buffer, and the
+propose projects them and writes their K/V inside its graph, before the block reads
+them; padding rows write to the KV's scratch slot. A request left out of proposes
+(the hybrid drafter does that when the suffix draft is better) keeps its positions
+staged over up to :data:`STAGE_STEPS` steps, as long as they fit the ``block_size + 1``
+positions a propose writes per request; past that they are written at once. Prompts
+(longer spans) are written at once. Without a scratch slot every write is immediate.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "checkpoints"
 CTX_BUCKET = 256
 #: Most requests a padded propose (and a captured graph) holds; more run unpadded, eagerly.
 MAX_PADDED_REQUESTS = 256
+#: Steps of staged context writes the staging buffer holds (one section per step, reused in turn):
+#: positions a request staged this many steps ago and no propose has written are written at once.
+STAGE_STEPS = 4
 
 
 def _recompile_limit_raises():
@@ -145,8 +151,10 @@ class BlockDrafter(Drafter):
         self._iota: torch.Tensor | None = None
         self._mempool = None
         #: context positions written inside the next propose: req_id -> (start, stage row, slots)
-        self._pending: dict[str, tuple[int, int, list[int]]] = {}
-        self._ctx_stage: torch.Tensor | None = None  # [rows, features] hidden states of pending writes
+        # per request, its staged positions: (staging rows, positions, cache slots), at most _defer each
+        self._pending: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        self._ctx_stage: torch.Tensor | None = None  # [STAGE_STEPS * section, features] hidden states of pending writes
+        self._section = 0  # the staging section the last step's positions went to
         self._defer = 0  # pending positions per request a propose writes (0: every write immediate)
 
     @classmethod
@@ -210,12 +218,12 @@ class BlockDrafter(Drafter):
             self._torch_compile = target.device.type == "cuda"
         self._compiled = None  # its first run reads the new target's embedding / LM head products afresh
         self._pending.clear()
-        self._defer, self._ctx_stage = 0, None
+        self._defer, self._ctx_stage, self._section = 0, None, 0
         if getattr(kv, "scratch_slot", None) is not None:
             self._defer = c.block_size + 1  # a verify step accepts at most draft width + 1 positions
             feats = len(c.target_layer_ids) * c.target_hidden_size
-            self._ctx_stage = torch.zeros(MAX_PADDED_REQUESTS * self._defer, feats, dtype=target.dtype,
-                                      device=target.device)
+            self._ctx_stage = torch.zeros(STAGE_STEPS * MAX_PADDED_REQUESTS * self._defer, feats, dtype=target.dtype,
+                                          device=target.device)
         # slot positions reach max_context + block_size - 1
         self._make_tables(target.max_context + c.block_size)
 
@@ -239,13 +247,13 @@ class BlockDrafter(Drafter):
         """Take every request's new context positions of the step, whatever the batch.
 
         Short spans (a generation step's accepted positions) are staged: their hidden states are
-        copied in one go and the next :meth:`propose` writes their K/V inside its graph. Longer
-        spans (prompts), and writes still pending from an earlier step, are written now: one
-        gather, one projection of every layer's K and V
+        copied in one go into the next section of the staging buffer, and the next :meth:`propose`
+        for the request writes their K/V inside its graph. Longer spans (prompts) are written now,
+        and so are the staged positions of a request that would hold more than a propose writes
+        (``block_size + 1``) or that sit in the section about to be reused (staged
+        :data:`STAGE_STEPS` steps ago): one gather, one projection of every layer's K and V
         (:meth:`BlockDrafterNet.context_kv_all`), one write per layer and cache.
         """
-        if self._pending:  # the staging buffer is about to be reused
-            self._flush()
         now, later = [], []
         for span in spans:
             req_id, start, _, n = span
@@ -255,33 +263,43 @@ class BlockDrafter(Drafter):
             self._ctx_len[req_id] = start + n
             if n:
                 (later if n <= self._defer else now).append(span)
+        size = MAX_PADDED_REQUESTS * self._defer
         if later:
             lo, hi = min(s[2] for s in later), max(s[2] + s[3] for s in later)
-            if hi - lo <= self._ctx_stage.shape[0]:
-                self._ctx_stage[: hi - lo].copy_(hidden[lo:hi])
-                # slots fixed now: a pending write lands where the request's pages were when staged
-                self._pending.update((r, (start, row - lo, self.kv.slots(r, start, start + n)))
-                                     for r, start, row, n in later)
-            else:
-                now += later
+            if hi - lo > size:
+                now, later = now + later, []
+        if later:
+            section = (self._section + 1) % STAGE_STEPS
+            base = section * size
+            full = {r for r, _, _, n in later if r in self._pending and len(self._pending[r][0]) + n > self._defer}
+            reused = {r for r, (rows, _, _) in self._pending.items() if any(base <= x < base + size for x in rows)}
+            self._flush(full | reused)  # before the section is overwritten
+            self._ctx_stage[base:base + hi - lo].copy_(hidden[lo:hi])
+            self._section = section
+            for r, start, row, n in later:  # slots fixed now: a write lands where the pages were when staged
+                rows, pos, slots = self._pending.setdefault(r, ([], [], []))
+                rows += range(base + row - lo, base + row - lo + n)
+                pos += range(start, start + n)
+                slots += self.kv.slots(r, start, start + n)
         if now:
-            self._write(hidden, [(start, row, self.kv.slots(r, start, start + n)) for r, start, row, n in now])
+            self._write(hidden, [(range(row, row + n), range(start, start + n), self.kv.slots(r, start, start + n))
+                                 for r, start, row, n in now])
 
-    def _flush(self) -> None:
-        """Write every pending context position now (from the staging buffer)."""
-        runs = list(self._pending.values())
-        self._pending.clear()
+    def _flush(self, req_ids=None) -> None:
+        """Write the staged positions of ``req_ids`` (default: every request) now, from the staging buffer."""
+        runs = [self._pending.pop(r) for r in (list(self._pending) if req_ids is None else req_ids)
+                if r in self._pending]
         if runs:
             self._write(self._ctx_stage, runs)
 
-    def _write(self, hidden: torch.Tensor, runs: list[tuple[int, int, list[int]]]) -> None:
-        """Write context K/V eagerly: each run ``(start, row, slots)`` is positions ``start, ...``
-        from rows ``row, ...`` of ``hidden``, into cache ``slots``."""
+    def _write(self, hidden: torch.Tensor, runs) -> None:
+        """Write context K/V eagerly: each run ``(rows, positions, slots)`` (equal-length sequences)
+        writes the hidden states at ``rows`` of ``hidden``, at those positions, into those cache slots."""
         rows, slots, pos = [], [], []
-        for start, row, where in runs:
-            rows += range(row, row + len(where))
+        for r, p, where in runs:
+            rows += r
+            pos += p
             slots += where
-            pos += range(start, start + len(where))
         if max(pos) >= self._rope.length:
             self._make_tables(max(pos) + 1)
         dense = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
@@ -394,10 +412,9 @@ class BlockDrafter(Drafter):
             pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
             write = no_write
             if r in self._pending:
-                start, row, where = self._pending.pop(r)
-                m, pad = len(where), D - len(where)
-                write = [*range(row, row + m), *[0] * pad, *range(start, start + m), *[0] * pad,
-                         *where, *[self.kv.scratch_slot] * pad]
+                stage_rows, pos, where = self._pending.pop(r)
+                pad = D - len(where)
+                write = [*stage_rows, *[0] * pad, *pos, *[0] * pad, *where, *[self.kv.scratch_slot] * pad]
             out.append([self._tokens[r][-1], *masks, *range(n, n + B), n, *write, *pages, *[0] * (P - len(pages))])
         out += [[c.mask_token_id, *masks, *range(B), 0, *no_write, *[0] * P]] * (rows - len(out))
         return torch.tensor(out, dtype=torch.long)
