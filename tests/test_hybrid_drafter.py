@@ -170,3 +170,64 @@ def test_settings_and_figures_are_the_two_drafters():
     assert h.learned.cuda_graphs is False and h.learned.torch_compile is True
     assert h.cuda_graphs is False and h.torch_compile is True
     assert h.global_tokens == h.suffix.global_tokens and h.global_rebuilds == h.suffix.global_rebuilds
+
+
+class _Clock:
+    """A clock the test moves: each propose of a drafter that holds it advances it by that drafter's cost."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Timed(_Scripted):
+    def __init__(self, drafts, clock: _Clock, cost: float, target_layer_ids=()) -> None:
+        super().__init__(drafts, target_layer_ids)
+        self.clock, self.cost = clock, cost
+
+    def propose(self, req_ids, max_tokens):
+        self.clock.t += self.cost
+        return super().propose(req_ids, max_tokens)
+
+
+@pytest.mark.parametrize(("learned_cost", "asked_after_warmup"), [(0.9, False), (0.1, True)])
+def test_cost_aware_asks_only_when_the_learned_drafts_pay_for_their_time(learned_cost, asked_after_warmup):
+    """Steps of 1.0 s without the learned propose; the learned drafts score 2.0, the suffix drafts
+    1.0 (of 2 tokens a step, the learned ones would add 1: +50 %). A learned propose of 0.9 s (+90 %
+    time) is declined once the warm-up has measured it; one of 0.1 s (+10 %) is always asked."""
+    clock = _Clock()
+    learned = _Timed({"a": _chain(1.0, 1.0)}, clock, learned_cost, (1,))
+    suffix = _Scripted({"a": _chain(1.0, 0.0)})
+    h = HybridDrafter(learned=learned, suffix=suffix, cost_aware=True, clock=clock)
+    for step in range(HybridDrafter.WARMUP_STEPS + 5):
+        h.learned_best = 10.0  # below it every request could win: the rule that decides is the cost
+        out = h.propose(["a"], 4)
+        asked = len(learned.asked) == step + 1
+        if step < HybridDrafter.WARMUP_STEPS:
+            assert asked  # measuring
+        else:
+            assert asked == asked_after_warmup, (step, h.step_s, h.learned_s, h.learned_mean)
+        assert out == [learned.drafts["a"] if asked else suffix.drafts["a"]]
+        clock.t += 1.0  # the rest of the step: the target's forward, verification
+    assert h.step_s == pytest.approx(1.0) and h.learned_s == pytest.approx(learned_cost)
+    assert h.learned_mean == pytest.approx(2.0)
+    assert h.stats["learned_declined"] == (0 if asked_after_warmup else 5)
+
+
+def test_cost_aware_must_be_a_bool():
+    with pytest.raises(ConfigError, match="cost_aware"):
+        HybridDrafter(cost_aware="yes")
+
+
+@pytest.mark.slow
+def test_cost_aware_hybrid_is_lossless(smollm2):
+    """The cost-aware rule changes which drafts are proposed, never the output: equal to null's at batch 2."""
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add3(a, b, c):", "Write a haiku about caches."]
+    params = SamplingParams(max_new_tokens=32)
+    base = [o.token_ids for o in SpecEngine(smollm2, NullDrafter(), tokens_per_block=16).generate(prompts, params)]
+    h = HybridDrafter(cost_aware=True)
+    outs = SpecEngine(smollm2, h, max_draft_tokens=7, tokens_per_block=16).generate(prompts, params)
+    assert [o.token_ids for o in outs] == base
+    assert h.step_s is not None and h.learned_s is not None and h.learned_mean is not None

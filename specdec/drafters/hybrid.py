@@ -26,8 +26,9 @@ the learned drafter's (the suffix drafter has no KV layers and reads only token 
 
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specdec.drafters.base import Draft, Drafter, register_drafter
 from specdec.errors import ConfigError
@@ -74,6 +75,9 @@ class HybridDrafter(Drafter):
             learned drafter without a confidence head, e.g. DFlash), in ``[0, 1]``.
         torch_compile: set the learned drafter's ``torch_compile`` (its propose compiled, see
             :class:`~specdec.drafters.dflash.BlockDrafter`); ``None`` leaves it as it is.
+        cost_aware: ask the learned drafter only in steps where the tokens it is expected to add
+            pay for its time (:meth:`worth_asking`), instead of wherever it could win. Off by default.
+        clock: the clock ``cost_aware`` times steps and proposes with (seconds; tests pass their own).
 
     ``stats`` counts the drafts taken from each (``"learned"``, ``"suffix"``), the requests for
     which neither drafted (``"none"``), the requests whose suffix draft scored at least
@@ -81,7 +85,8 @@ class HybridDrafter(Drafter):
     proposes in which it raised
     (``"learned_errors"``: those steps take the suffix drafts, with a warning the first time).
     ``cuda_graphs`` and ``torch_compile`` are the learned drafter's settings; ``global_tokens`` and
-    ``global_rebuilds`` the suffix drafter's figures.
+    ``global_rebuilds`` the suffix drafter's figures. With ``cost_aware``, ``"learned_declined"``
+    counts the requests of steps where asking was judged not worth its time.
 
     Raises:
         ConfigError: ``learned`` reads no target hidden states, ``suffix`` has KV layers, or
@@ -89,8 +94,14 @@ class HybridDrafter(Drafter):
             learned drafter that has no such setting.
     """
 
+    #: steps whose time and learned drafts :attr:`cost_aware` measures before it starts to decline
+    WARMUP_STEPS = 8
+    #: weight of the newest measurement in the running averages of ``cost_aware``
+    SMOOTHING = 0.1
+
     def __init__(self, learned: Drafter | None = None, suffix: Drafter | None = None,
-                 default_confidence: float = 0.6, torch_compile: bool | None = None):
+                 default_confidence: float = 0.6, torch_compile: bool | None = None, cost_aware: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
         from specdec.drafters.dflash import DSparkDrafter
         from specdec.drafters.suffix_automaton import SuffixAutomatonDrafter
 
@@ -113,7 +124,19 @@ class HybridDrafter(Drafter):
         self.reads_helix_sharded_ctx_pages = learned.reads_helix_sharded_ctx_pages
         self.vocab_size = learned.vocab_size
         self.target_layer_ids = learned.target_layer_ids
-        self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0, "learned_skipped": 0}
+        if not isinstance(cost_aware, bool):
+            raise ConfigError(f"cost_aware must be True or False, got {cost_aware!r}")
+        self.cost_aware, self._clock = cost_aware, clock
+        self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0, "learned_skipped": 0,
+                      "learned_declined": 0}
+        #: running averages (``cost_aware``): seconds of a step without the learned propose, seconds of
+        #: the learned propose, expected accepted tokens of a learned draft; ``None`` until measured
+        self.step_s: float | None = None
+        self.learned_s: float | None = None
+        self.learned_mean: float | None = None
+        self._last_call: float | None = None  # when the previous propose began
+        self._last_learned_s = 0.0  # the learned propose's time within the previous call
+        self._steps = 0  # proposes so far
         #: the most expected accepted tokens any learned draft has scored (``None``: none drafted
         #: yet, so every request asks the learned drafter); a suffix draft scoring at least this
         #: is taken without asking it
@@ -170,22 +193,53 @@ class HybridDrafter(Drafter):
     def capture_graphs(self, max_requests: int, max_context: int) -> int:
         return self.learned.capture_graphs(max_requests, max_context)
 
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+    def worth_asking(self, suffix_scores: Sequence[float], candidates: Sequence[int]) -> bool:
+        """Whether the learned propose pays for itself this step (``cost_aware``).
+
+        A step without it emits ``sum(1 + s_i)`` tokens (``s_i``: each request's suffix draft's
+        expected accepted tokens) in :attr:`step_s`; asking adds :attr:`learned_s` and, per
+        candidate (a request whose suffix score is below :attr:`learned_mean`), ``learned_mean -
+        s_i`` tokens. Ask when the tokens per second are higher that way:
+        ``gain / tokens > learned_s / step_s``. Until :data:`WARMUP_STEPS` steps are measured, ask.
+        """
+        if self._steps <= self.WARMUP_STEPS or None in (self.step_s, self.learned_s, self.learned_mean):
+            return True
+        tokens = sum(1.0 + e for e in suffix_scores)
+        gain = sum(self.learned_mean - suffix_scores[i] for i in candidates)
+        return gain * self.step_s > self.learned_s * tokens
+
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
         """Both drafters' drafts; per request the one with more expected accepted tokens.
 
         The suffix drafter proposes first. A request whose suffix draft scores at least
         :attr:`learned_best` (the most any learned draft has scored so far) takes it without asking
         the learned drafter, and when every request of the step does, the learned propose is
-        skipped (``stats["learned_skipped"]`` counts those requests). If the learned drafter raises,
-        the step takes the suffix drafts (its fault stays inside it).
+        skipped (``stats["learned_skipped"]`` counts those requests). With ``cost_aware`` the rest
+        ask it only when :meth:`worth_asking` says so. If the learned drafter raises, the step takes
+        the suffix drafts (its fault stays inside it).
         """
+        now = self._clock()
+        if self._last_call is not None:  # the previous step, less its learned propose
+            self.step_s = self._average(self.step_s, max(now - self._last_call - self._last_learned_s, 0.0))
+        self._last_call, self._last_learned_s = now, 0.0
+        self._steps += 1
         suffix = self.suffix.propose(req_ids, max_tokens)
         scores = [expected_accepted(b, self.default_confidence) for b in suffix]
         best = self.learned_best
         ask = [i for i, e in enumerate(scores) if best is None or e < best]
+        self.stats["learned_skipped"] += len(req_ids) - len(ask)
+        if ask and self.cost_aware:
+            mean = self.learned_mean
+            if not self.worth_asking(scores, [i for i in ask if mean is None or scores[i] < mean]):
+                self.stats["learned_declined"] += len(ask)
+                ask = []
         learned = [Draft() for _ in req_ids]
         learned_scores = [0.0] * len(req_ids)
         if ask:
+            t0 = self._clock()
             try:
                 drafts = self.learned.propose([req_ids[i] for i in ask], max_tokens)
             except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
@@ -194,12 +248,14 @@ class HybridDrafter(Drafter):
                                   "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
                 self.stats["learned_errors"] += 1
             else:
+                self._last_learned_s = self._clock() - t0
+                self.learned_s = self._average(self.learned_s, self._last_learned_s)
                 for i, d in zip(ask, drafts):
                     learned[i], learned_scores[i] = d, expected_accepted(d, self.default_confidence)
+                    self.learned_mean = self._average(self.learned_mean, learned_scores[i])
                 if any(len(d) for d in drafts):
                     top = max(learned_scores[i] for i in ask)
                     self.learned_best = top if self.learned_best is None else max(self.learned_best, top)
-        self.stats["learned_skipped"] += len(req_ids) - len(ask)
         out = []
         for a, b, e, ea in zip(learned, suffix, scores, learned_scores):
             if not len(a) and not len(b):
