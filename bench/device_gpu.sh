@@ -31,6 +31,11 @@
 #                                      # suffix: step time vs all-greedy, greedy rows and seeded rows equal (REPEAT:
 #                                      # rounds, default 1). Needs .evaldata/question.jsonl (git-ignored evaluation
 #                                      # data): name .evaldata in the call's carry
+#   bash bench/device_gpu.sh cutoffs   # the sort-free top-k / top-p cutoff kernel: its GPU tests (every path, vocab
+#                                      # 49152), then sampling_profile's parts (cutoff kernel beside the sort) and
+#                                      # end to end; then 'sampling' (needs .evaldata carried)
+#   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, hybrid, hybrid+cost (staged context
+#                                      # writes now survive skipped proposes)
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -116,6 +121,18 @@ for part in "$@"; do
       timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,dflash+nocompile,dflash,dspark+nocompile,dspark,hybrid+nocompile,hybrid \
         --skip-hf --out "$OUT/e2e_hybrid" 2>&1 | grep "^|\|^- " ;;
+    cutoffs)  # issue 16: the cutoffs without a sort, then the sampled batches again
+      timeout 300 python -m pytest tests/test_sampling_kernel.py tests/test_sampling_cutoffs.py -p no:cacheprovider -rA \
+        -o addopts= > "$OUT/gpu_tests_cutoffs.txt" 2>&1
+      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests_cutoffs.txt" | head -30
+      timeout 240 python bench/sampling_profile.py --device cuda --spec-bench .evaldata/question.jsonl \
+        --out "$OUT/sampling_profile" 2>&1 | grep "^|" | head -30
+      timeout 300 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
+        --max-new-tokens 256 --device cuda --dtype bfloat16 --out "$OUT/sampling_mix" 2>&1 | grep "^|" ;;
+    hybridcost)  # issue 15: the cost-aware hybrid beside the plain one
+      timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --drafters null,suffix,hybrid,hybrid+cost --skip-hf --out "$OUT/e2e_hybrid_cost" \
+        2>&1 | grep "^|\|^- " ;;
     nullafter)  # 2026-12-05: null at batch 8 ran 35-40 % slower (host launch time) after a compiled drafter
       for threads in "" 1; do
         echo "TORCHINDUCTOR_COMPILE_THREADS=${threads:-default}"
