@@ -32,7 +32,8 @@
 #                                      # rounds, default 1). Needs .evaldata/question.jsonl (git-ignored evaluation
 #                                      # data): name .evaldata in the call's carry
 #   bash bench/device_gpu.sh cutoffs   # the sort-free top-k / top-p cutoff kernel: its GPU tests (every path, vocab
-#                                      # 49152), then sampling_profile's parts (cutoff kernel beside the sort) and
+#                                      # 49152), its settings swept on real logits (cutoff_sweep), then
+#                                      # sampling_profile's parts (cutoff kernel beside the sort) and
 #                                      # end to end; then 'sampling' (needs .evaldata carried)
 #   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, hybrid, hybrid+cost (staged context
 #                                      # writes now survive skipped proposes)
@@ -125,6 +126,7 @@ for part in "$@"; do
       timeout 300 python -m pytest tests/test_sampling_kernel.py tests/test_sampling_cutoffs.py -p no:cacheprovider -rA \
         -o addopts= > "$OUT/gpu_tests_cutoffs.txt" 2>&1
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests_cutoffs.txt" | head -30
+      timeout 240 python bench/cutoff_sweep.py --device cuda --out "$OUT/cutoff_sweep" 2>&1 | grep "^|" | head -40
       timeout 240 python bench/sampling_profile.py --device cuda --spec-bench .evaldata/question.jsonl \
         --out "$OUT/sampling_profile" 2>&1 | grep "^|" | head -30
       timeout 300 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \

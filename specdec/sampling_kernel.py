@@ -214,10 +214,10 @@ def sample_tokens(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.T
 # --------------------------------------------------------------------------- top-k / top-p cutoffs, sort-free
 
 CUT_BLOCK = 1024  # tokens a cutoff program reads per loop iteration
-CUT_PIVOTS = 8  # thresholds one pass over the row evaluates (the search narrows 7x a pass, at least)
+CUT_PIVOTS = 8  # thresholds one pass over the row evaluates, >= 4 (the search narrows 7x a pass, at least)
 CUT_CAP = 1024  # most candidates sorted in registers (a power of two)
 CUT_MAX_PASSES = 16  # bound on the search's passes: 1 + ceil(32 / log2(7)) = 13 suffice for any fp32 row
-CUT_STAGES: tl.constexpr = tl.constexpr(2)  # loads in flight in the passes' loops (software pipelining)
+CUT_STAGES = 2  # loads in flight in the passes' loops (software pipelining)
 CUT_WARPS = 8
 
 
@@ -256,14 +256,14 @@ def _pick(vec, ar, j, other):
 
 
 @triton.jit
-def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.constexpr):
+def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr):
     """Per threshold ``piv[j]``: how many tokens lie above it, their fixed-point mass, and the
     largest value at or below it (``-inf`` if none). Each thread accumulates its own lanes over the
     whole row; the lanes are reduced once, after the loop."""
     count = tl.zeros([BLOCK, NP], tl.int32)
     mass = tl.zeros([BLOCK, NP], tl.int64)
     below = tl.full([BLOCK, NP], float("-inf"), tl.float32)
-    for start in tl.range(0, vocab, BLOCK, num_stages=CUT_STAGES):
+    for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
         idx, z = _row_block(src, start, vocab, temp, BLOCK)
         w = _weight(z, z_max)
         above = z[:, None] > piv[None, :]  # [BLOCK, NP]
@@ -275,7 +275,7 @@ def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.conste
 
 @triton.jit
 def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, limit,
-            BLOCK: tl.constexpr, NP: tl.constexpr, MAX_PASSES: tl.constexpr):
+            BLOCK: tl.constexpr, NP: tl.constexpr, MAX_PASSES: tl.constexpr, STAGES: tl.constexpr):
     """Narrow down the value ``t`` of the last kept token.
 
     A threshold ``c`` "passes" when the first token (in the stable order) of the largest value at
@@ -291,7 +291,8 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
     Returns ``(a, tokens above a, b, tokens above b, mass above b, bound)``.
     """
     ar = tl.arange(0, NP)
-    guess = z_max - tl.exp2((NP - 2 - ar).to(tl.float32))  # max - 32, ..., max - 1 (NP = 8)
+    tl.static_assert(NP >= 4)
+    guess = z_max - tl.exp2(5.0 * (NP - 2 - ar).to(tl.float32) / (NP - 3))  # max - 32 .. max - 1, geometric
     piv = tl.where(ar == 0, float("-inf"), tl.where(ar == NP - 1, z_max, guess))
     a = tl.full((), float("-inf"), tl.float32)
     b = z_max
@@ -301,7 +302,7 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
     passes = tl.full((), 0, tl.int32)
     done = tl.full((), 0, tl.int32)
     while done == 0:
-        count, mass, below = _pivot_pass(src, vocab, temp, z_max, piv, BLOCK, NP)
+        count, mass, below = _pivot_pass(src, vocab, temp, z_max, piv, BLOCK, NP, STAGES)
         if bound_from_total & (passes == 0):
             bound = p.to(tl.float64) * _pick(mass, ar, 0, 0).to(tl.float64)  # the mass above -inf: all of it
         ok = (count < k) & ((use_mass == 0) | (mass.to(tl.float64) < bound))
@@ -379,11 +380,12 @@ def _tie_cutoff(src, vocab, temp, z_max, t, above_t, mass_t, k, use_mass, bound,
 
 @triton.jit
 def _cutoff(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, bound_from_k, limit, scratch,
-            BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
+            BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr,
+            STAGES: tl.constexpr):
     """One search, then the sorted candidates or the ties pass: ``(thr, icut, ties, t, above t, mass above t)``
     (the last four only from the ties pass; ``ties`` is -1 after a sort)."""
     a, above_a, t, above_t, mass_t, bound = _search(src, vocab, temp, z_max, k, p, use_mass, bound,
-                                                    bound_from_total, limit, BLOCK, NP, MAX_PASSES)
+                                                    bound_from_total, limit, BLOCK, NP, MAX_PASSES, STAGES)
     if above_a <= limit:
         thr, icut = _sorted_cutoff(src, vocab, temp, z_max, a, above_a, k, p, use_mass | bound_from_k, bound,
                                    bound_from_k, scratch, BLOCK, CAP)
@@ -397,7 +399,7 @@ def _cutoff(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, bo
             do_not_specialize_on_alignment=["ROWS", "ARGMAX", "TEMP", "TOP_K", "TOP_P", "THR", "ICUT"])
 def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH, THR, ICUT, vocab, limit,
                    HAS_ARGMAX: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
-                   MAX_PASSES: tl.constexpr):
+                   MAX_PASSES: tl.constexpr, STAGES: tl.constexpr):
     s = tl.program_id(0)
     row = tl.load(ROWS + s)
     temp = tl.load(TEMP + s)
@@ -415,7 +417,7 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
             z_max = tl.math.div_rn(tl.load(src + tl.load(ARGMAX + row)).to(tl.float32), temp)
         else:
             lanes = tl.full([BLOCK], float("-inf"), tl.float32)
-            for start in tl.range(0, vocab, BLOCK, num_stages=CUT_STAGES):
+            for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
                 idx, z = _row_block(src, start, vocab, temp, BLOCK)
                 lanes = tl.maximum(lanes, z)
             z_max = tl.max(lanes, axis=0)
@@ -426,13 +428,14 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
         top_p_only = has_p & ~has_k
         zero = tl.full((), 0.0, tl.float64)
         thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, top_p_only, zero, top_p_only,
-                                                      has_p & has_k, limit, scratch, BLOCK, NP, CAP, MAX_PASSES)
+                                                      has_p & has_k, limit, scratch, BLOCK, NP, CAP, MAX_PASSES,
+                                                      STAGES)
         if has_k & has_p & (ties >= 0):
             top_k_mass = mass_t + tl.minimum(ties, k - above_t).to(tl.int64) * _weight(t, z_max)
             bound = p.to(tl.float64) * top_k_mass.to(tl.float64)
             no = tl.full((), 0, tl.int1)
             thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, has_p, bound, no, no, limit,
-                                                          scratch, BLOCK, NP, CAP, MAX_PASSES)
+                                                          scratch, BLOCK, NP, CAP, MAX_PASSES, STAGES)
     tl.store(THR + s, thr)
     tl.store(ICUT + s, icut)
 
@@ -481,5 +484,5 @@ def row_cutoffs(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     _cutoff_kernel[(n_rows,)](logits, logits.stride(0), rows, argmax if argmax is not None else rows, temperature,
                               top_k, top_p, scratch, thr, icut, vocab, limit, HAS_ARGMAX=argmax is not None,
                               BLOCK=CUT_BLOCK, NP=CUT_PIVOTS, CAP=CUT_CAP, MAX_PASSES=CUT_MAX_PASSES,
-                              num_warps=CUT_WARPS)
+                              STAGES=CUT_STAGES, num_warps=CUT_WARPS)
     return thr, icut
