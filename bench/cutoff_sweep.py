@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,144,288")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="CPU, Triton's interpreter, random logits, two settings")
+    ap.add_argument("--shape-only", action="store_true",
+                    help="only where the cutoffs fall (the reference; no kernel: runs on the CPU too)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.quick:
@@ -111,7 +113,7 @@ def main() -> None:
             settings = [(256, 4, 8, 1, 64), (512, 4, 4, 1, 32)]  # the interpreter sorts slowly
         else:
             pool = real_logits(args, dev)
-            settings = SETTINGS
+            settings = [] if args.shape_only else SETTINGS
         vocab = pool.shape[-1]
         gen = torch.Generator().manual_seed(0)
         shape, results = [], []
@@ -128,6 +130,8 @@ def main() -> None:
                 keep = torch.isfinite(smp.apply_cutoffs(z, ref))
                 shape.append({"rows": n, "limits": name, "kept": quantiles(keep.sum(-1)),
                               "max_minus_thr": quantiles(z.max(-1).values - ref[0])})
+                if args.shape_only:
+                    continue
                 row = {"rows": n, "limits": name,
                        "reference_ms": timed(lambda: smp.row_cutoffs(z, [k] * n, [p] * n), dev, args.iters)}
                 for block, warps, pivots, stages, cap in settings:
@@ -152,8 +156,9 @@ def main() -> None:
     md = [header, "", "## Where the cutoffs fall (quantiles 50 / 90 / 99 / 100 % over the rows)", "",
           "| rows | limits | tokens kept | max z - cutoff |", "|---|---|---|---|"]
     md += [f"| {r['rows']} | {r['limits']} | {r['kept']} | {r['max_minus_thr']} |" for r in shape]
-    md += ["", "## Device time, ms (kernel settings: BLOCK / WARPS / PIVOTS / STAGES / CAP)", "",
-           "| rows | limits | reference (sort) | " + " | ".join(labels) + " |", "|" + "---|" * (3 + len(labels))]
+    if results:
+        md += ["", "## Device time, ms (kernel settings: BLOCK / WARPS / PIVOTS / STAGES / CAP)", "",
+               "| rows | limits | reference (sort) | " + " | ".join(labels) + " |", "|" + "---|" * (3 + len(labels))]
     md += [f"| {r['rows']} | {r['limits']} | {r['reference_ms']:.3f} | " + " | ".join(r[lb] for lb in labels) + " |"
            for r in results]
     write_results(args.out, "cutoff_sweep", "\n".join(md), {"shape": shape, "times": results})
