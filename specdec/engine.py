@@ -202,7 +202,8 @@ class SpecEngine:
     def capture_graphs(self, max_kv_len: int | None = None, progress: bool = True) -> int:
         """Capture the CUDA graph of every generation bucket (and, with ``prompt_graphs``, every
         one-request prompt bucket) now, before serving; and the drafter's propose graphs
-        (:meth:`Drafter.capture_graphs`).
+        (:meth:`Drafter.capture_graphs`); and compile the sampling kernels
+        (:func:`specdec.sampling.warm_up`).
 
         Without it a bucket is captured by the first step that needs it (tens of ms, inside
         that step). Captures use the scratch slot only; no request is touched. A no-op (0)
@@ -238,6 +239,10 @@ class SpecEngine:
         capture = getattr(self.drafter, "capture_graphs", None)  # the drafter's propose shapes too
         if capture is not None and self._max_draft and self.runner.graphs_enabled:
             done += capture(self.config.max_num_seqs, max_kv_len or self.target.max_context)
+        if self.runner.graphs_enabled:  # and the sampling kernels, before a sampled request needs them
+            from specdec.sampling import warm_up
+
+            warm_up(self.target.vocab_size, self.target.device)
         return done
 
     @property

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from specdec.drafters.base import Draft
 
 __all__ = ["USE_KERNEL", "RowSampling", "apply_cutoffs", "gumbel_noise", "mix32", "request_key", "row_cutoffs",
-           "row_uniforms", "sample_rows", "shape_logits", "verify_batch"]
+           "row_uniforms", "sample_rows", "shape_logits", "verify_batch", "warm_up"]
 
 _M32 = 0xFFFFFFFF
 # Streams of independent noise per (seed, position): the target's sample, the acceptance uniform, the residual.
@@ -368,6 +368,30 @@ def sample_rows(logits: torch.Tensor, argmax: torch.Tensor | None, sampling: Row
                 zq = apply_cutoffs(zq, (cutoffs[0].index_select(0, sel), cutoffs[1].index_select(0, sel)))
         tokens = _rejection_rows(zq, sel, tokens, sampling, keys, positions, drafts)
     return argmax.index_copy(0, rows, tokens)
+
+
+def warm_up(vocab: int, device: torch.device | str) -> bool:
+    """Compile the sampling kernels :func:`sample_rows` launches on ``device`` (the cutoff search,
+    the Gumbel-max pass with and without cutoffs, the split reduction) on two dummy rows of fp32
+    logits, so that the first sampled step does not pay for their compilation (seconds).
+
+    Returns:
+        whether anything ran (``False`` where sample_rows takes the torch path: off CUDA, no Triton).
+    """
+    from specdec.config import SamplingParams
+
+    device = torch.device(device)
+    if not _use_kernel(device, None):
+        return False
+    logits = torch.zeros(4, vocab, dtype=torch.float32, device=device)
+    rows = RowSampling()
+    rows.add(0, SamplingParams(temperature=1.0, top_p=0.9), request_key(0), 0, None)  # the masked variant
+    rows.add(2, SamplingParams(temperature=1.0), request_key(1), 0, None)
+    sample_rows(logits, None, rows)
+    unmasked = RowSampling()
+    unmasked.add(1, SamplingParams(temperature=1.0), request_key(2), 0, None)
+    sample_rows(logits, None, unmasked)
+    return True
 
 
 def _scaled(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

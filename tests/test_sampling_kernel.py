@@ -368,3 +368,45 @@ def test_cutoff_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, kind):
         got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device="cuda"),
                             torch.tensor(top_p, device="cuda"), limit, with_argmax)
         assert torch.equal(got, want), (limit, (got != want).sum(dim=-1).tolist())
+
+
+def test_warm_up_is_a_no_op_where_sample_rows_takes_the_torch_path(monkeypatch):
+    monkeypatch.setattr(sampling, "USE_KERNEL", None)
+    assert sampling.warm_up(100, "cpu") is False
+
+
+@needs_kernels
+def test_warm_up_runs_every_kernel_sample_rows_launches(monkeypatch, small_cap):
+    """Forced onto the kernel path (the interpreter on the CPU), warm_up calls the cutoff kernel once
+    and the sampling kernel with and without cutoffs."""
+    calls = []
+    for name in ("row_cutoffs", "sample_tokens"):
+        real = getattr(sampling_kernel, name)
+        monkeypatch.setattr(sampling_kernel, name,
+                            lambda *a, _real=real, _name=name, **kw: (calls.append((_name, a[-1] if _name == "sample_tokens"
+                                                                                    else None)), _real(*a, **kw))[1])
+    monkeypatch.setattr(sampling, "USE_KERNEL", True)
+    assert sampling.warm_up(50, DEVICE) is True
+    names = [c[0] for c in calls]
+    assert names.count("row_cutoffs") == 1 and names.count("sample_tokens") == 2
+    masked = [c[1] is not None for c in calls if c[0] == "sample_tokens"]
+    assert sorted(masked) == [False, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (and the kernels compiled for it)")
+def test_after_warm_up_a_sampled_step_compiles_nothing():
+    def compiled() -> int:
+        return sum(len(cache[0]) for k in (sampling_kernel._sample_split_kernel, sampling_kernel._cutoff_kernel,
+                                           sampling_kernel._reduce_splits_kernel) for cache in k.device_caches.values())
+
+    sampling.warm_up(49152, "cuda")
+    before = compiled()
+    logits = torch.randn(6, 49152, device="cuda")
+    rows = RowSampling()
+    for i, p in enumerate([SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=0.7, top_k=50),
+                           SamplingParams(temperature=1.0)]):
+        rows.add(2 * i, p, request_key(i), 10 + i, None)
+    sample_rows(logits, None, rows)
+    torch.cuda.synchronize()
+    assert compiled() == before
