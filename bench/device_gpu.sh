@@ -35,6 +35,8 @@
 #                                      # 49152), its settings swept on real logits (cutoff_sweep), then
 #                                      # sampling_profile's parts (cutoff kernel beside the sort) and
 #                                      # end to end; then 'sampling' (needs .evaldata carried)
+#   bash bench/device_gpu.sh nullcompile # null at batch 8 before and after a compiled DSpark in one process: timers,
+#                                      # GC time, cProfile and process state (then with the drafter released)
 #   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, hybrid, hybrid+cost (staged context
 #                                      # writes now survive skipped proposes)
 set -uo pipefail
@@ -131,6 +133,10 @@ for part in "$@"; do
         --out "$OUT/sampling_profile" 2>&1 | grep "^|" | head -30
       timeout 300 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
         --max-new-tokens 256 --device cuda --dtype bfloat16 --out "$OUT/sampling_mix" 2>&1 | grep "^|" ;;
+    nullcompile)  # issue 17: where the host time of null after a compiled drafter goes
+      timeout 200 python bench/null_after_compile.py --device cuda --out "$OUT/null_after_compile" 2>&1 | grep "^|"
+      timeout 200 python bench/null_after_compile.py --device cuda --release --out "$OUT/null_after_compile_released" \
+        2>&1 | grep "^|" ;;
     hybridcost)  # issue 15: the cost-aware hybrid beside the plain one
       timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,hybrid,hybrid+cost --skip-hf --out "$OUT/e2e_hybrid_cost" \
