@@ -223,15 +223,17 @@ CUT_WARPS = 8
 
 @triton.jit
 def _ordered(z):
-    """fp32 -> int32 whose signed order is the float order (not NaN)."""
-    bits = z.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    """fp32 -> int32 whose signed order is the float order, consecutive floats consecutive integers
+    (not NaN). ``-0.0`` is folded into ``+0.0`` (key 0): they are equal, as in a sort."""
+    bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, (bits ^ 0x7FFFFFFF) + 1, bits)
 
 
 @triton.jit
 def _unordered(key):
-    """The inverse of :func:`_ordered`."""
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    """The inverse of :func:`_ordered` (key 0 is ``+0.0``; keys are above the int32 minimum)."""
+    key = tl.maximum(key, -2147483647)  # a padding slot's key: no wrap-around below
+    return tl.where(key < 0, (key - 1) ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -309,7 +311,7 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
         j = tl.argmax(ok.to(tl.int32), axis=0, tie_break_left=True)  # the first passing threshold
         all_pass = j == 0  # only -inf (first pass) can: every finite token is kept, t is -inf
         a = tl.where(all_pass, float("-inf"), _pick(piv, ar, j - 1, float("-inf")))
-        above_a = tl.where(all_pass, vocab + 1, _pick(count, ar, j - 1, -1))  # vocab + 1: never sorted
+        above_a = tl.where(all_pass, 0x7FFFFFFF, _pick(count, ar, j - 1, -1))  # above any limit: never sorted
         b = _pick(below, ar, j, float("-inf"))
         above_b = _pick(count, ar, j, -1)
         mass_b = _pick(mass, ar, j, -1)
@@ -421,7 +423,8 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
                 idx, z = _row_block(src, start, vocab, temp, BLOCK)
                 lanes = tl.maximum(lanes, z)
             z_max = tl.max(lanes, axis=0)
-        z_max = tl.where(z_max == float("-inf"), 0.0, z_max)  # a row of -inf only: every weight is 0
+        dead = z_max == float("-inf")  # a row of -inf only: no mass; top-p keeps its first token alone
+        z_max = tl.where(dead, 0.0, z_max)
         # Top-p alone: one search on the mass. Top-k (with or without top-p): a search on the count,
         # whose candidates hold all of top-k; if they were too many to sort, top-k's mass comes from
         # the ties pass and a second search finds top-p's cutoff within it.
@@ -436,6 +439,8 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
             no = tl.full((), 0, tl.int1)
             thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, has_p, bound, no, no, limit,
                                                           scratch, BLOCK, NP, CAP, MAX_PASSES, STAGES)
+        icut = tl.where(dead & has_p, 0, icut)
+        thr = tl.where(dead & has_p, float("-inf"), thr)
     tl.store(THR + s, thr)
     tl.store(ICUT + s, icut)
 

@@ -79,7 +79,8 @@ def nucleus_prefix(sorted_z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     w = fixed_point_weights(sorted_z, z_max).masked_fill(~keep, 0)  # [n, vocab] int64
     before = w.cumsum(dim=-1) - w  # exact integer prefix masses
     bound = top_p.double()[:, None] * w.sum(dim=-1, keepdim=True).double()  # [n, 1]
-    return keep & ((before.double() < bound) | (top_p[:, None] >= 1.0))
+    # rank 0 always stays (a row of -inf only has no mass: top-p then keeps just it)
+    return keep & ((before.double() < bound) | (top_p[:, None] >= 1.0) | (rank[None, :] == 0))
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

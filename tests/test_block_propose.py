@@ -23,7 +23,8 @@ from hypothesis import strategies as hst
 
 from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, RopeTable, _rms, init_weights,
                                     rope_cos_sin)
-from specdec.drafters.dflash import CTX_BUCKET, MAX_PADDED_REQUESTS, DFlashDrafter, DSparkDrafter, propose_buckets
+from specdec.drafters.dflash import (CTX_BUCKET, MAX_PADDED_REQUESTS, STAGE_STEPS, DFlashDrafter, DSparkDrafter,
+                                    propose_buckets)
 from specdec.drafters.dspark_mla import MLABlockDrafterConfig, MLABlockDrafterNet, MLADSparkDrafter
 from specdec.errors import ConfigError
 from specdec.kvcache import KVCacheManager, KVPool
@@ -459,6 +460,76 @@ def test_staged_positions_survive_steps_without_a_propose(monkeypatch, per_step)
         assert len(staged._pending["b"][0]) <= D and len(staged._pending["a"][0]) == per_step
     every = min(dflash.STAGE_STEPS, D // per_step)  # steps a staged position can wait
     assert flushed_at == list(range(every, 12, every)), (flushed_at, D)
+
+
+def test_staged_writes_of_a_request_whose_pages_were_freed_are_dropped():
+    """In a pool shared with the target, preemption frees a request's pages and another request may
+    take them: the first request's staged positions must never be written over the second's."""
+    d = make_drafter("dspark")
+    tpb, pages = 4, 40
+    manager = KVCacheManager(pages, tpb)  # the target's: the drafter's layers share its pages
+    pool = KVPool(d.kv_layer_specs(), pages + 1, tpb)
+    d.bind(fake_target(), DraftKV(pool, range(d.config.num_layers), manager, shared=True, scratch_slot=pages * tpb))
+    width = len(d.target_layer_ids) * HIDDEN
+    g = torch.Generator().manual_seed(0)
+    d.start_request("a", [1] * 21)
+    manager.allocate("a", 20)
+    d.on_contexts([("a", 0, 0, 20)], torch.randn(20, width, generator=g))  # a prompt: written now
+    manager.append("a", 3)
+    d.on_accepted("a", [2, 2, 2])
+    d.on_contexts([("a", 20, 0, 3)], torch.randn(3, width, generator=g))  # staged
+    assert len(d._pending["a"][0]) == 3
+    manager.free("a")  # preempted: its pages go back to the pool
+    manager.allocate("b", 23)  # and another request takes them
+    d.start_request("b", [5] * 24)
+    d.on_contexts([("b", 0, 0, 23)], torch.randn(23, width, generator=g))
+    slots_b = manager.slots("b", 0, 23)
+    assert set(slots_b) & set(d._pending["a"][2])  # the freed slots are b's now
+    k_b = d.kv.k(0)[slots_b].clone()
+    manager.allocate("a", 23)  # readmitted: its context is computed again
+    d.on_contexts([("a", 0, 0, 23)], torch.randn(23, width, generator=g))
+    for _ in range(STAGE_STEPS + 1):  # sections come round again, proposes run: no stale write anywhere
+        d.propose(["a", "b"], 3)
+        d.on_contexts([], torch.zeros(0, width))
+    assert torch.equal(d.kv.k(0)[slots_b], k_b) and "a" not in d._pending
+
+
+def test_several_spans_of_one_request_in_one_step_and_a_failed_propose_lose_nothing(monkeypatch):
+    """Two spans of one request in one on_contexts call (more than a propose writes, together) are
+    written at once; a propose that raises keeps its staged writes for the next one."""
+    staged, plain = _bound_pair("dspark", 4, pad=False)
+    width = len(staged.target_layer_ids) * HIDDEN
+    g = torch.Generator().manual_seed(1)
+    D = staged._defer
+    for d in (staged, plain):
+        d.start_request("a", [1] * 61)
+    hidden = torch.randn(20, width, generator=g)
+    for d in (staged, plain):
+        d.on_contexts([("a", 0, 0, 20)], hidden)
+    hidden = torch.randn(2 * D, width, generator=g)
+    for d in (staged, plain):
+        d.on_accepted("a", [2] * (2 * D))
+        d.on_contexts([("a", 20, 0, D), ("a", 20 + D, D, D)], hidden)
+    assert "a" not in staged._pending  # 2 D positions: written at once
+    hidden = torch.randn(3, width, generator=g)
+    for d in (staged, plain):
+        d.on_accepted("a", [3] * 3)
+        d.on_contexts([("a", 20 + 2 * D, 0, 3)], hidden)
+    assert len(staged._pending["a"][0]) == 3
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("propose failed")
+
+    monkeypatch.setattr(staged, "_run_draft", fail)
+    with pytest.raises(RuntimeError, match="propose failed"):
+        staged.propose(["a"], 3)
+    assert len(staged._pending["a"][0]) == 3  # still staged
+    monkeypatch.undo()
+    assert staged.propose(["a"], 3)[0].token_ids == plain.propose(["a"], 3)[0].token_ids
+    assert "a" not in staged._pending
+    n = staged._ctx_len["a"]
+    torch.testing.assert_close(staged.kv.k(0)[staged.kv.slots("a", 0, n)], plain.kv.k(0)[plain.kv.slots("a", 0, n)],
+                               rtol=1e-5, atol=1e-5)
 
 
 @needs_cxx

@@ -231,3 +231,26 @@ def test_cost_aware_hybrid_is_lossless(smollm2):
     outs = SpecEngine(smollm2, h, max_draft_tokens=7, tokens_per_block=16).generate(prompts, params)
     assert [o.token_ids for o in outs] == base
     assert h.step_s is not None and h.learned_s is not None and h.learned_mean is not None
+
+
+def test_cost_aware_measures_again_after_a_slow_first_propose_and_ignores_idle_gaps():
+    """A learned propose whose first call takes 5 s (a capture, say) and later ones 0.1 s: declined
+    after the warm-up, then asked again by the probe after PROBE_EVERY declined steps, and from then
+    on. An idle minute between two proposes does not count as a step."""
+    clock = _Clock()
+    learned = _Timed({"a": _chain(1.0, 1.0)}, clock, 5.0, (1,))
+    suffix = _Scripted({"a": _chain(1.0, 0.0)})
+    h = HybridDrafter(learned=learned, suffix=suffix, cost_aware=True, clock=clock)
+    asked = []
+    for step in range(HybridDrafter.WARMUP_STEPS + HybridDrafter.PROBE_EVERY + 10):
+        h.learned_best = 10.0
+        before = len(learned.asked)
+        h.propose(["a"], 4)
+        asked.append(len(learned.asked) > before)
+        learned.cost = 0.1
+        clock.t += 1.0
+        if step == 3:
+            clock.t += 60.0  # idle
+    w, p = HybridDrafter.WARMUP_STEPS, HybridDrafter.PROBE_EVERY
+    assert all(asked[:w]) and not any(asked[w:w + p]) and all(asked[w + p:]), asked
+    assert h.step_s == pytest.approx(1.0) and h.learned_s == pytest.approx(0.1)

@@ -112,14 +112,32 @@ def _cutoff_logits(gen: torch.Generator, n: int, vocab: int, kind: str) -> torch
     elif kind == "inf":
         x[:, ::3] = float("-inf")
         x[0] = float("-inf")
+    elif kind == "zeros":  # exact +0.0 and -0.0 (equal: ties in index order), also at the top
+        pick = torch.rand(n, vocab, generator=gen)
+        x = torch.where(pick < 0.3, 0.0, torch.where(pick < 0.6, -0.0, -x.abs() - 1))
     return x
+
+
+def _keeps(z: torch.Tensor, thr: torch.Tensor, icut: torch.Tensor) -> torch.Tensor:
+    """The tokens a cutoff keeps, ``-inf`` ones included (apply_cutoffs' rule, as a mask)."""
+    idx = torch.arange(z.shape[-1], device=z.device)
+    return (z > thr[:, None]) | ((z == thr[:, None]) & (idx[None, :] <= icut[:, None]))
+
+
+def _reference_keeps(z: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The stable-sort prefix top-k then top-p keep (verify.nucleus_prefix), as a mask over tokens."""
+    vocab = z.shape[-1]
+    tk, tp = torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32)
+    srt, order = z.sort(dim=-1, descending=True, stable=True)
+    keep_sorted = nucleus_prefix(srt, torch.where((tk > 0) & (tk < vocab), tk, vocab), tp)
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
 def _kernel_keeps(logits, rows, temperature, top_k, top_p, limit, with_argmax=True) -> torch.Tensor:
     argmax = logits.argmax(dim=-1) if with_argmax else None  # the maximum read at the argmax, or searched for
     thr, icut = sampling_kernel.row_cutoffs(logits, rows, temperature, top_k, top_p, argmax, limit=limit)
     z = logits.index_select(0, rows).float() / temperature[:, None]
-    return torch.isfinite(apply_cutoffs(z, (thr, icut)))
+    return _keeps(z, thr, icut)
 
 
 @pytest.fixture
@@ -130,13 +148,14 @@ def small_cap(monkeypatch):
     return sampling_kernel.CUT_CAP
 
 
-CUT_ROW = st.tuples(st.sampled_from([0.3, 0.7, 1.0, 1.7]), st.sampled_from([0, 0, 1, 2, 5, 40, 70, 5000]),
+CUT_ROW = st.tuples(st.sampled_from([0.3, 0.7, 1.0, 1.7]), st.sampled_from([0, 0, 1, 2, 3, 5, 35, 40, 70, 5000]),
                     st.sampled_from([1.0, 1.0, 0.5, 0.9, 0.99, 0.05]))
 
 
 @needs_kernels
-@given(seed=st.integers(0, 2**20), vocab=st.sampled_from([1, 5, 100, 1000, 1031]),
-       kind=st.sampled_from(["random", "ties", "flat", "hot", "inf"]), rows=st.lists(CUT_ROW, min_size=1, max_size=5),
+@given(seed=st.integers(0, 2**20), vocab=st.sampled_from([1, 5, 40, 100, 1000, 1031]),
+       kind=st.sampled_from(["random", "ties", "flat", "hot", "inf", "zeros"]),
+       rows=st.lists(CUT_ROW, min_size=1, max_size=5),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), limit=st.sampled_from(["cap", 16, 0]),
        with_argmax=st.booleans())
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -153,7 +172,7 @@ def test_cutoff_kernel_keeps_what_the_sorting_reference_keeps(small_cap, seed, v
                         torch.tensor(top_p, dtype=torch.float32, device=DEVICE), small_cap if limit == "cap" else limit,
                         with_argmax)
     z = logits.index_select(0, picked).float() / temperature[:, None]
-    want = torch.isfinite(_sorted_mask(z.cpu(), top_k, top_p))
+    want = _reference_keeps(z.cpu(), top_k, top_p)
     assert torch.equal(got.cpu(), want), (got.cpu() != want).sum(dim=-1).tolist()
 
 
@@ -173,15 +192,38 @@ def test_cutoff_kernel_paths_on_chosen_rows(small_cap):
     temperature = torch.tensor([0.7, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], device=DEVICE)
     top_k = [0, 0, 500, 10, 0, 0, 3]
     top_p = [0.9, 0.9, 0.9, 1.0, 0.37, 1.0, 0.5]
-    want = torch.isfinite(_sorted_mask((logits / temperature[:, None]).cpu(), top_k, top_p))
+    want = _reference_keeps((logits / temperature[:, None]).cpu(), top_k, top_p)
     for limit, with_argmax in ((small_cap, True), (0, True), (small_cap, False)):
         got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device=DEVICE),
                             torch.tensor(top_p, dtype=torch.float32, device=DEVICE), limit, with_argmax)
         assert torch.equal(got.cpu(), want), (limit, (got.cpu() != want).sum(dim=-1).tolist())
     kept = want.sum(dim=-1).tolist()
-    assert kept[1] > small_cap and kept[3] == 10 and kept[5] == vocab, kept
+    assert kept[1] > small_cap and kept[3] == 10 and kept[5] == vocab and kept[6] == 1, kept  # -inf row: top-p keeps one
     # the ties at 2.0 hold 1 / (1 + e^-1) of the mass: top-p 0.37 keeps the first 152 of them, in index order
     assert want[4].nonzero()[:, 0].tolist() == list(range(0, 2 * 152, 2))
+
+
+@needs_kernels
+def test_cutoff_kernel_keeps_infinite_and_signed_zero_ties_as_the_sort(small_cap):
+    """A vocabulary below the candidate capacity whose top-k reaches into its -inf tokens (every finite
+    token kept, then -inf ones in index order); a row of -inf; +0.0 and -0.0 tied at the top."""
+    vocab = 40
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5))
+    logits[0, :10] = float("-inf")  # 30 finite tokens; top-k 35 keeps them and the first five -inf
+    logits[1] = float("-inf")
+    logits[2, :4] = torch.tensor([1.0, 2.0, -0.0, 0.0])
+    logits[2, 4:] = -5.0
+    logits[3] = logits[2]
+    logits = logits.to(DEVICE)
+    rows = torch.arange(4, device=DEVICE)
+    temperature = torch.ones(4, device=DEVICE)
+    top_k, top_p = [35, 3, 3, 0], [1.0, 0.5, 1.0, 0.3]
+    want = _reference_keeps(logits.cpu(), top_k, top_p)
+    assert want[0].sum() == 35 and want[0, :5].all() and want[2].tolist()[:4] == [True, True, True, False]
+    for limit in (small_cap, 0):
+        got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device=DEVICE),
+                            torch.tensor(top_p, device=DEVICE), limit)
+        assert torch.equal(got.cpu(), want), (limit, (got.cpu() != want).sum(dim=-1).tolist())
 
 
 def test_cutoff_kernel_refuses_a_limit_past_its_capacity():
@@ -351,7 +393,7 @@ def test_one_compiled_variant_serves_every_row_count():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (and the kernel compiled for it)")
 @pytest.mark.parametrize("n_rows", [16, 288])
-@pytest.mark.parametrize("kind", ["random", "ties", "flat", "hot", "inf"])
+@pytest.mark.parametrize("kind", ["random", "ties", "flat", "hot", "inf", "zeros"])
 def test_cutoff_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, kind):
     """The compiled cutoff kernel (libdevice exp) against the sorting torch path on the GPU (torch's exp):
     the same kept tokens, whichever path each row takes."""
@@ -363,7 +405,7 @@ def test_cutoff_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, kind):
     temperature = torch.tensor([p[0] for p in params], device="cuda")
     top_k, top_p = [p[1] for p in params], [p[2] for p in params]
     z = logits.float() / temperature[:, None]
-    want = torch.isfinite(apply_cutoffs(z, row_cutoffs(z, top_k, top_p)))
+    want = _keeps(z, *row_cutoffs(z, top_k, top_p))
     for limit, with_argmax in ((None, True), (0, True), (None, False)):
         got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device="cuda"),
                             torch.tensor(top_p, device="cuda"), limit, with_argmax)

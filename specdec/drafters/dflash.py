@@ -264,6 +264,12 @@ class BlockDrafter(Drafter):
             if n:
                 (later if n <= self._defer else now).append(span)
         size = MAX_PADDED_REQUESTS * self._defer
+        incoming = Counter()
+        for r, _, _, n in later:
+            incoming[r] += n
+        if any(n > self._defer for n in incoming.values()):  # several spans of one request outgrow a propose
+            now += [sp for sp in later if incoming[sp[0]] > self._defer]
+            later = [sp for sp in later if incoming[sp[0]] <= self._defer]
         if later:
             lo, hi = min(s[2] for s in later), max(s[2] + s[3] for s in later)
             if hi - lo > size:
@@ -271,7 +277,7 @@ class BlockDrafter(Drafter):
         if later:
             section = (self._section + 1) % STAGE_STEPS
             base = section * size
-            full = {r for r, _, _, n in later if r in self._pending and len(self._pending[r][0]) + n > self._defer}
+            full = {r for r in incoming if r in self._pending and len(self._pending[r][0]) + incoming[r] > self._defer}
             reused = {r for r, (rows, _, _) in self._pending.items() if any(base <= x < base + size for x in rows)}
             self._flush(full | reused)  # before the section is overwritten
             self._ctx_stage[base:base + hi - lo].copy_(hidden[lo:hi])
@@ -286,11 +292,27 @@ class BlockDrafter(Drafter):
                                  for r, start, row, n in now])
 
     def _flush(self, req_ids=None) -> None:
-        """Write the staged positions of ``req_ids`` (default: every request) now, from the staging buffer."""
-        runs = [self._pending.pop(r) for r in (list(self._pending) if req_ids is None else req_ids)
-                if r in self._pending]
+        """Write the staged positions of ``req_ids`` (default: every request) now, from the staging
+        buffer; those no longer in their cache slots (:meth:`_current`) are dropped."""
+        runs = []
+        for r in list(self._pending) if req_ids is None else [r for r in req_ids if r in self._pending]:
+            run = self._pending.pop(r)
+            if self._current(r, run):
+                runs.append(run)
         if runs:
             self._write(self._ctx_stage, runs)
+
+    def _current(self, req_id: str, run) -> bool:
+        """Whether staged positions ``run`` still map to the cache slots they were staged for. In a
+        pool shared with the target the scheduler frees a preempted request's pages, which another
+        request may hold by now: the staged writes are then stale (the request's context is
+        computed again when it is readmitted, and written again)."""
+        _, pos, slots = run
+        manager, lo, hi = self.kv.manager, min(pos), max(pos) + 1
+        if req_id not in manager or manager.length(req_id) < hi:
+            return False
+        now = self.kv.slots(req_id, lo, hi)
+        return all(now[p - lo] == slot for p, slot in zip(pos, slots))
 
     def _write(self, hidden: torch.Tensor, runs) -> None:
         """Write context K/V eagerly: each run ``(rows, positions, slots)`` (equal-length sequences)
@@ -358,9 +380,13 @@ class BlockDrafter(Drafter):
             tokens, conf = self._replay(packed, cols)
             tokens, conf = tokens[:, :width], None if conf is None else conf[:, :width]
         if conf is None:
-            return [Draft(tuple(t)) for t in tokens[:n].tolist()]
-        both = torch.cat([tokens[:n].float(), conf[:n].float()], 1).tolist()  # one sync (ids < 2**24: exact)
-        return [Draft(tuple(int(t) for t in row[:width]), confidence=tuple(row[width:])) for row in both]
+            out = [Draft(tuple(t)) for t in tokens[:n].tolist()]
+        else:
+            both = torch.cat([tokens[:n].float(), conf[:n].float()], 1).tolist()  # one sync (ids < 2**24: exact)
+            out = [Draft(tuple(int(t) for t in row[:width]), confidence=tuple(row[width:])) for row in both]
+        for r in req_ids:  # their staged writes are in the cache now
+            self._pending.pop(r, None)
+        return out
 
     def capture_graphs(self, max_requests: int, max_context: int) -> int:
         """Capture the propose graph of every bucket of up to ``max_requests`` requests and
@@ -391,8 +417,9 @@ class BlockDrafter(Drafter):
         return ""
 
     def _pack(self, req_ids, ctx_lens, rows: int, cols: int) -> torch.Tensor:
-        """What propose needs from the host, one int64 row per request, built in one go; takes the
-        requests' pending context writes (they are written by this propose).
+        """What propose needs from the host, one int64 row per request, built in one go, with the
+        requests' staged context writes (this propose writes them; :meth:`propose` forgets them once
+        it has run, so a propose that fails leaves them staged).
 
         Row: block token ids ``[B]`` (anchor, then mask tokens), slot positions ``[B]``, context
         length ``[1]``; with staged writes (``D = block_size + 1`` per request) their staging rows
@@ -411,8 +438,10 @@ class BlockDrafter(Drafter):
         for r, n in zip(req_ids, ctx_lens):
             pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
             write = no_write
-            if r in self._pending:
-                stage_rows, pos, where = self._pending.pop(r)
+            if r in self._pending and not self._current(r, self._pending[r]):
+                del self._pending[r]  # stale (see _current): never written
+            if r in self._pending:  # taken off by propose once the draft has run
+                stage_rows, pos, where = self._pending[r]
                 pad = D - len(where)
                 write = [*stage_rows, *[0] * pad, *pos, *[0] * pad, *where, *[self.kv.scratch_slot] * pad]
             out.append([self._tokens[r][-1], *masks, *range(n, n + B), n, *write, *pages, *[0] * (P - len(pages))])

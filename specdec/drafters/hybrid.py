@@ -98,6 +98,11 @@ class HybridDrafter(Drafter):
     WARMUP_STEPS = 8
     #: weight of the newest measurement in the running averages of ``cost_aware``
     SMOOTHING = 0.1
+    #: after this many declined steps in a row the learned drafter is asked anyway (its figures are
+    #: measured afresh: a slow first propose, or a change of batch, must not shut it out for good)
+    PROBE_EVERY = 32
+    #: a gap between proposes longer than this many average steps is idle time, not a step: not counted
+    IDLE_FACTOR = 10.0
 
     def __init__(self, learned: Drafter | None = None, suffix: Drafter | None = None,
                  default_confidence: float = 0.6, torch_compile: bool | None = None, cost_aware: bool = False,
@@ -137,6 +142,8 @@ class HybridDrafter(Drafter):
         self._last_call: float | None = None  # when the previous propose began
         self._last_learned_s = 0.0  # the learned propose's time within the previous call
         self._steps = 0  # proposes so far
+        self._declined_run = 0  # steps declined in a row
+        self._idle_run = 0  # gaps between proposes in a row too long to be steps
         #: the most expected accepted tokens any learned draft has scored (``None``: none drafted
         #: yet, so every request asks the learned drafter); a suffix draft scoring at least this
         #: is taken without asking it
@@ -196,6 +203,11 @@ class HybridDrafter(Drafter):
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.SMOOTHING * (new - old)
 
+    def _one_off_seconds(self) -> float:
+        """Seconds the learned drafter has spent so far capturing graphs and compiling (its ``stats``)."""
+        stats = getattr(self.learned, "stats", None) or {}
+        return float(stats.get("capture_s", 0.0)) + float(stats.get("compile_s", 0.0))
+
     def worth_asking(self, suffix_scores: Sequence[float], candidates: Sequence[int]) -> bool:
         """Whether the learned propose pays for itself this step (``cost_aware``).
 
@@ -203,9 +215,12 @@ class HybridDrafter(Drafter):
         expected accepted tokens) in :attr:`step_s`; asking adds :attr:`learned_s` and, per
         candidate (a request whose suffix score is below :attr:`learned_mean`), ``learned_mean -
         s_i`` tokens. Ask when the tokens per second are higher that way:
-        ``gain / tokens > learned_s / step_s``. Until :data:`WARMUP_STEPS` steps are measured, ask.
+        ``gain / tokens > learned_s / step_s``. Until :data:`WARMUP_STEPS` steps are measured, ask;
+        after :data:`PROBE_EVERY` declined steps in a row, ask once (to measure afresh).
         """
         if self._steps <= self.WARMUP_STEPS or None in (self.step_s, self.learned_s, self.learned_mean):
+            return True
+        if self._declined_run >= self.PROBE_EVERY:  # a probe: measured afresh (propose replaces the averages)
             return True
         tokens = sum(1.0 + e for e in suffix_scores)
         gain = sum(self.learned_mean - suffix_scores[i] for i in candidates)
@@ -222,8 +237,14 @@ class HybridDrafter(Drafter):
         the suffix drafts (its fault stays inside it).
         """
         now = self._clock()
-        if self._last_call is not None:  # the previous step, less its learned propose
-            self.step_s = self._average(self.step_s, max(now - self._last_call - self._last_learned_s, 0.0))
+        if self._last_call is not None:  # the previous step, less its learned propose; idle gaps left out
+            gap = max(now - self._last_call - self._last_learned_s, 0.0)
+            if self.step_s is None or gap <= self.IDLE_FACTOR * self.step_s:
+                self.step_s, self._idle_run = self._average(self.step_s, gap), 0
+            else:
+                self._idle_run += 1
+                if self._idle_run >= 3:  # not idle: the steps themselves got longer
+                    self.step_s, self._idle_run = gap, 0
         self._last_call, self._last_learned_s = now, 0.0
         self._steps += 1
         suffix = self.suffix.propose(req_ids, max_tokens)
@@ -231,28 +252,38 @@ class HybridDrafter(Drafter):
         best = self.learned_best
         ask = [i for i, e in enumerate(scores) if best is None or e < best]
         self.stats["learned_skipped"] += len(req_ids) - len(ask)
+        probe = False
         if ask and self.cost_aware:
             mean = self.learned_mean
-            if not self.worth_asking(scores, [i for i in ask if mean is None or scores[i] < mean]):
+            probe = self._declined_run >= self.PROBE_EVERY
+            if self.worth_asking(scores, [i for i in ask if mean is None or scores[i] < mean]):
+                self._declined_run = 0
+            else:
                 self.stats["learned_declined"] += len(ask)
+                self._declined_run += 1
                 ask = []
         learned = [Draft() for _ in req_ids]
         learned_scores = [0.0] * len(req_ids)
         if ask:
             t0 = self._clock()
+            spent = self._one_off_seconds()
             try:
                 drafts = self.learned.propose([req_ids[i] for i in ask], max_tokens)
             except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
+                self._last_learned_s = self._clock() - t0
                 if not self.stats["learned_errors"]:
                     warnings.warn(f"HybridDrafter: the learned drafter's propose raised ({type(e).__name__}: {e}); "
                                   "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
                 self.stats["learned_errors"] += 1
             else:
                 self._last_learned_s = self._clock() - t0
-                self.learned_s = self._average(self.learned_s, self._last_learned_s)
+                # a graph capture or a compile inside the call is a one-off, not the propose's cost
+                took = max(self._last_learned_s - (self._one_off_seconds() - spent), 0.0)
+                self.learned_s = took if probe else self._average(self.learned_s, took)
                 for i, d in zip(ask, drafts):
                     learned[i], learned_scores[i] = d, expected_accepted(d, self.default_confidence)
-                    self.learned_mean = self._average(self.learned_mean, learned_scores[i])
+                mean = sum(learned_scores[i] for i in ask) / len(ask)
+                self.learned_mean = mean if probe else self._average(self.learned_mean, mean)
                 if any(len(d) for d in drafts):
                     top = max(learned_scores[i] for i in ask)
                     self.learned_best = top if self.learned_best is None else max(self.learned_best, top)
