@@ -14,7 +14,7 @@ First, where the cutoffs fall (from the reference): the nucleus size and the dis
 of the cutoff, quantiles over the rows; they show where the kernel's first-pass thresholds
 (``max - 32 .. max - 1``) and its candidate capacity (``CUT_CAP``) sit against real rows.
 
-Then, per setting of the kernel (``CUT_BLOCK``, ``CUT_WARPS``, ``CUT_PIVOTS``, ``CUT_STAGES``, ``CUT_CAP``) and
+Then, per setting of the kernel (``CUT_BLOCK``, ``CUT_WARPS``, ``CUT_PIVOTS``, ``CUT_CAP``) and
 row count: the kernel's median device time (ms, after a compiling call), whether it keeps exactly
 the reference's tokens, beside the reference (``specdec.sampling.row_cutoffs``: a stable sort of
 each row) in the same run. Writes ``cutoff_sweep.md`` and ``.json`` to ``--out``.
@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_io import run_header, write_results  # noqa: E402
 
 LIMITS = {"top-p": (0.8, 0, 0.95), "top-k+top-p": (0.8, 50, 0.9), "top-k": (0.8, 50, 1.0)}
-SETTINGS = [  # (BLOCK, WARPS, PIVOTS, STAGES, CAP)
-    (1024, 8, 8, 2, 1024), (1024, 8, 8, 1, 1024), (1024, 4, 8, 2, 1024), (512, 4, 8, 2, 1024),
-    (2048, 8, 8, 2, 1024), (2048, 16, 8, 2, 1024), (4096, 16, 8, 2, 1024), (1024, 8, 4, 2, 1024),
-    (1024, 8, 16, 2, 1024), (2048, 16, 16, 2, 1024), (1024, 8, 8, 2, 256), (2048, 16, 8, 2, 256),
+SETTINGS = [  # (BLOCK, WARPS, PIVOTS, CAP)
+    (1024, 8, 8, 1024), (1024, 4, 8, 1024), (512, 4, 8, 1024), (2048, 8, 8, 1024), (2048, 16, 8, 1024),
+    (4096, 16, 8, 1024), (1024, 8, 4, 1024), (1024, 8, 16, 1024), (2048, 16, 16, 1024), (1024, 8, 8, 256),
+    (2048, 16, 8, 256), (1024, 16, 8, 1024),
 ]
 
 
@@ -110,7 +110,7 @@ def main() -> None:
     with fixed_interpreter() if args.quick else _nothing():
         if args.quick:
             pool = (torch.randn(64, 2000, generator=torch.Generator().manual_seed(0)) * 3)
-            settings = [(256, 4, 8, 1, 64), (512, 4, 4, 1, 32)]  # the interpreter sorts slowly
+            settings = [(256, 4, 8, 64), (512, 4, 4, 32)]  # the interpreter sorts slowly
         else:
             pool = real_logits(args, dev)
             settings = [] if args.shape_only else SETTINGS
@@ -134,9 +134,9 @@ def main() -> None:
                     continue
                 row = {"rows": n, "limits": name,
                        "reference_ms": timed(lambda: smp.row_cutoffs(z, [k] * n, [p] * n), dev, args.iters)}
-                for block, warps, pivots, stages, cap in settings:
-                    sk.CUT_BLOCK, sk.CUT_WARPS, sk.CUT_PIVOTS, sk.CUT_STAGES, sk.CUT_CAP = block, warps, pivots, stages, cap
-                    label = f"{block}/{warps}/{pivots}/{stages}/{cap}"
+                for block, warps, pivots, cap in settings:
+                    sk.CUT_BLOCK, sk.CUT_WARPS, sk.CUT_PIVOTS, sk.CUT_CAP = block, warps, pivots, cap
+                    label = f"{block}/{warps}/{pivots}/{cap}"
 
                     def run():
                         return sk.row_cutoffs(logits, rows, temperature, top_k, top_p, argmax)
@@ -157,7 +157,7 @@ def main() -> None:
           "| rows | limits | tokens kept | max z - cutoff |", "|---|---|---|---|"]
     md += [f"| {r['rows']} | {r['limits']} | {r['kept']} | {r['max_minus_thr']} |" for r in shape]
     if results:
-        md += ["", "## Device time, ms (kernel settings: BLOCK / WARPS / PIVOTS / STAGES / CAP)", "",
+        md += ["", "## Device time, ms (kernel settings: BLOCK / WARPS / PIVOTS / CAP)", "",
                "| rows | limits | reference (sort) | " + " | ".join(labels) + " |", "|" + "---|" * (3 + len(labels))]
     md += [f"| {r['rows']} | {r['limits']} | {r['reference_ms']:.3f} | " + " | ".join(r[lb] for lb in labels) + " |"
            for r in results]

@@ -217,7 +217,6 @@ CUT_BLOCK = 1024  # tokens a cutoff program reads per loop iteration
 CUT_PIVOTS = 8  # thresholds one pass over the row evaluates, >= 4 (the search narrows 7x a pass, at least)
 CUT_CAP = 1024  # most candidates sorted in registers (a power of two)
 CUT_MAX_PASSES = 16  # bound on the search's passes: 1 + ceil(32 / log2(7)) = 13 suffice for any fp32 row
-CUT_STAGES = 2  # loads in flight in the passes' loops (software pipelining)
 CUT_WARPS = 8
 
 
@@ -258,14 +257,14 @@ def _pick(vec, ar, j, other):
 
 
 @triton.jit
-def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.constexpr, STAGES: tl.constexpr):
+def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.constexpr):
     """Per threshold ``piv[j]``: how many tokens lie above it, their fixed-point mass, and the
     largest value at or below it (``-inf`` if none). Each thread accumulates its own lanes over the
     whole row; the lanes are reduced once, after the loop."""
     count = tl.zeros([BLOCK, NP], tl.int32)
     mass = tl.zeros([BLOCK, NP], tl.int64)
     below = tl.full([BLOCK, NP], float("-inf"), tl.float32)
-    for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+    for start in range(0, vocab, BLOCK):
         idx, z = _row_block(src, start, vocab, temp, BLOCK)
         w = _weight(z, z_max)
         above = z[:, None] > piv[None, :]  # [BLOCK, NP]
@@ -277,7 +276,7 @@ def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.conste
 
 @triton.jit
 def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, limit,
-            BLOCK: tl.constexpr, NP: tl.constexpr, MAX_PASSES: tl.constexpr, STAGES: tl.constexpr):
+            BLOCK: tl.constexpr, NP: tl.constexpr, MAX_PASSES: tl.constexpr):
     """Narrow down the value ``t`` of the last kept token.
 
     A threshold ``c`` "passes" when the first token (in the stable order) of the largest value at
@@ -304,7 +303,7 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
     passes = tl.full((), 0, tl.int32)
     done = tl.full((), 0, tl.int32)
     while done == 0:
-        count, mass, below = _pivot_pass(src, vocab, temp, z_max, piv, BLOCK, NP, STAGES)
+        count, mass, below = _pivot_pass(src, vocab, temp, z_max, piv, BLOCK, NP)
         if bound_from_total & (passes == 0):
             bound = p.to(tl.float64) * _pick(mass, ar, 0, 0).to(tl.float64)  # the mass above -inf: all of it
         ok = (count < k) & ((use_mass == 0) | (mass.to(tl.float64) < bound))
@@ -382,12 +381,11 @@ def _tie_cutoff(src, vocab, temp, z_max, t, above_t, mass_t, k, use_mass, bound,
 
 @triton.jit
 def _cutoff(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, bound_from_k, limit, scratch,
-            BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr,
-            STAGES: tl.constexpr):
+            BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
     """One search, then the sorted candidates or the ties pass: ``(thr, icut, ties, t, above t, mass above t)``
     (the last four only from the ties pass; ``ties`` is -1 after a sort)."""
     a, above_a, t, above_t, mass_t, bound = _search(src, vocab, temp, z_max, k, p, use_mass, bound,
-                                                    bound_from_total, limit, BLOCK, NP, MAX_PASSES, STAGES)
+                                                    bound_from_total, limit, BLOCK, NP, MAX_PASSES)
     if above_a <= limit:
         thr, icut = _sorted_cutoff(src, vocab, temp, z_max, a, above_a, k, p, use_mass | bound_from_k, bound,
                                    bound_from_k, scratch, BLOCK, CAP)
@@ -401,7 +399,7 @@ def _cutoff(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, bo
             do_not_specialize_on_alignment=["ROWS", "ARGMAX", "TEMP", "TOP_K", "TOP_P", "THR", "ICUT"])
 def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH, THR, ICUT, vocab, limit,
                    HAS_ARGMAX: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
-                   MAX_PASSES: tl.constexpr, STAGES: tl.constexpr):
+                   MAX_PASSES: tl.constexpr):
     s = tl.program_id(0)
     row = tl.load(ROWS + s)
     temp = tl.load(TEMP + s)
@@ -419,7 +417,7 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
             z_max = tl.math.div_rn(tl.load(src + tl.load(ARGMAX + row)).to(tl.float32), temp)
         else:
             lanes = tl.full([BLOCK], float("-inf"), tl.float32)
-            for start in tl.range(0, vocab, BLOCK, num_stages=STAGES):
+            for start in range(0, vocab, BLOCK):
                 idx, z = _row_block(src, start, vocab, temp, BLOCK)
                 lanes = tl.maximum(lanes, z)
             z_max = tl.max(lanes, axis=0)
@@ -431,14 +429,13 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
         top_p_only = has_p & ~has_k
         zero = tl.full((), 0.0, tl.float64)
         thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, top_p_only, zero, top_p_only,
-                                                      has_p & has_k, limit, scratch, BLOCK, NP, CAP, MAX_PASSES,
-                                                      STAGES)
+                                                      has_p & has_k, limit, scratch, BLOCK, NP, CAP, MAX_PASSES)
         if has_k & has_p & (ties >= 0):
             top_k_mass = mass_t + tl.minimum(ties, k - above_t).to(tl.int64) * _weight(t, z_max)
             bound = p.to(tl.float64) * top_k_mass.to(tl.float64)
             no = tl.full((), 0, tl.int1)
             thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, has_p, bound, no, no, limit,
-                                                          scratch, BLOCK, NP, CAP, MAX_PASSES, STAGES)
+                                                          scratch, BLOCK, NP, CAP, MAX_PASSES)
         icut = tl.where(dead & has_p, 0, icut)
         thr = tl.where(dead & has_p, float("-inf"), thr)
     tl.store(THR + s, thr)
@@ -489,5 +486,5 @@ def row_cutoffs(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     _cutoff_kernel[(n_rows,)](logits, logits.stride(0), rows, argmax if argmax is not None else rows, temperature,
                               top_k, top_p, scratch, thr, icut, vocab, limit, HAS_ARGMAX=argmax is not None,
                               BLOCK=CUT_BLOCK, NP=CUT_PIVOTS, CAP=CUT_CAP, MAX_PASSES=CUT_MAX_PASSES,
-                              STAGES=CUT_STAGES, num_warps=CUT_WARPS)
+                              num_warps=CUT_WARPS)
     return thr, icut
