@@ -32,9 +32,9 @@
 #                                      # rounds, default 1). Needs .evaldata/question.jsonl (git-ignored evaluation
 #                                      # data): name .evaldata in the call's carry
 #   bash bench/device_gpu.sh cutoffs   # the sort-free top-k / top-p cutoff kernel: its GPU tests (every path, vocab
-#                                      # 49152), its settings swept on real logits (cutoff_sweep), then
-#                                      # sampling_profile's parts (cutoff kernel beside the sort) and
-#                                      # end to end; then 'sampling' (needs .evaldata carried)
+#                                      # 49152), then its settings swept on real logits (cutoff_sweep)
+#   bash bench/device_gpu.sh sampprofile # sampling_profile: sample_rows part by part (the cutoff kernel beside the
+#                                      # sort), end to end (needs .evaldata carried); then 'sampling' for the table
 #   bash bench/device_gpu.sh nullcompile # null at batch 8 before and after a compiled DSpark in one process: timers,
 #                                      # GC time, cProfile and process state (then with the drafter released)
 #   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, hybrid, hybrid+cost (staged context
@@ -124,15 +124,14 @@ for part in "$@"; do
       timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,dflash+nocompile,dflash,dspark+nocompile,dspark,hybrid+nocompile,hybrid \
         --skip-hf --out "$OUT/e2e_hybrid" 2>&1 | grep "^|\|^- " ;;
-    cutoffs)  # issue 16: the cutoffs without a sort, then the sampled batches again
-      timeout 300 python -m pytest tests/test_sampling_kernel.py tests/test_sampling_cutoffs.py -p no:cacheprovider -rA \
+    cutoffs)  # issue 16: the cutoffs without a sort: GPU tests, then its settings on real logits (a call of its own)
+      timeout 240 python -m pytest tests/test_sampling_kernel.py tests/test_sampling_cutoffs.py -p no:cacheprovider -rA \
         -o addopts= > "$OUT/gpu_tests_cutoffs.txt" 2>&1
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests_cutoffs.txt" | head -30
-      timeout 240 python bench/cutoff_sweep.py --device cuda --out "$OUT/cutoff_sweep" 2>&1 | grep "^|" | head -40
-      timeout 240 python bench/sampling_profile.py --device cuda --spec-bench .evaldata/question.jsonl \
-        --out "$OUT/sampling_profile" 2>&1 | grep "^|" | head -30
-      timeout 300 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
-        --max-new-tokens 256 --device cuda --dtype bfloat16 --out "$OUT/sampling_mix" 2>&1 | grep "^|" ;;
+      timeout 330 python bench/cutoff_sweep.py --device cuda --out "$OUT/cutoff_sweep" 2>&1 | grep "^|" | head -40 ;;
+    sampprofile)  # sample_rows part by part (the cutoff kernel beside the sort) and end to end
+      timeout 300 python bench/sampling_profile.py --device cuda --spec-bench .evaldata/question.jsonl \
+        --out "$OUT/sampling_profile" 2>&1 | grep "^|" | head -40 ;;
     nullcompile)  # issue 17: where the host time of null after a compiled drafter goes
       timeout 200 python bench/null_after_compile.py --device cuda --out "$OUT/null_after_compile" 2>&1 | grep "^|"
       timeout 200 python bench/null_after_compile.py --device cuda --release --out "$OUT/null_after_compile_released" \
