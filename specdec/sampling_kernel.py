@@ -308,7 +308,7 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
             bound = p.to(tl.float64) * _pick(mass, ar, 0, 0).to(tl.float64)  # the mass above -inf: all of it
         ok = (count < k) & ((use_mass == 0) | (mass.to(tl.float64) < bound))
         j = tl.argmax(ok.to(tl.int32), axis=0, tie_break_left=True)  # the first passing threshold
-        all_pass = j == 0  # only -inf (first pass) can: every finite token is kept, t is -inf
+        all_pass = _pick(ok.to(tl.int32), ar, 0, 0) == 1  # only -inf (first pass) can: every finite token is kept
         a = tl.where(all_pass, float("-inf"), _pick(piv, ar, j - 1, float("-inf")))
         above_a = tl.where(all_pass, 0x7FFFFFFF, _pick(count, ar, j - 1, -1))  # above any limit: never sorted
         b = _pick(below, ar, j, float("-inf"))
@@ -405,6 +405,7 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
     temp = tl.load(TEMP + s)
     k_in = tl.load(TOP_K + s)
     p = tl.load(TOP_P + s)
+    p = tl.where(p > 0.0, p, 1e-45)  # a top-p that rounds to 0 in fp32: the smallest positive (keeps one token)
     has_k = (k_in > 0) & (k_in < vocab)
     has_p = p < 1.0
     k = tl.where(has_k, k_in, vocab + 1).to(tl.int32)  # vocab + 1: the count never binds

@@ -488,10 +488,17 @@ def test_staged_writes_of_a_request_whose_pages_were_freed_are_dropped():
     k_b = d.kv.k(0)[slots_b].clone()
     manager.allocate("a", 23)  # readmitted: its context is computed again
     d.on_contexts([("a", 0, 0, 23)], torch.randn(23, width, generator=g))
+    manager.append("a", 2)  # and a step accepts two tokens before any propose for it: staged, fresh
+    d.on_accepted("a", [2, 2])
+    d.on_contexts([("a", 23, 0, 2)], torch.randn(2, width, generator=g))
+    assert d._pending["a"][1] == [23, 24]  # the stale positions went, the fresh ones stay
+    fresh = manager.slots("a", 23, 25)
+    k_fresh = d.kv.k(0)[fresh].clone()
     for _ in range(STAGE_STEPS + 1):  # sections come round again, proposes run: no stale write anywhere
         d.propose(["a", "b"], 3)
         d.on_contexts([], torch.zeros(0, width))
     assert torch.equal(d.kv.k(0)[slots_b], k_b) and "a" not in d._pending
+    assert not torch.equal(d.kv.k(0)[fresh], k_fresh)  # the fresh positions were written
 
 
 def test_several_spans_of_one_request_in_one_step_and_a_failed_propose_lose_nothing(monkeypatch):

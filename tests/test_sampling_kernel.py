@@ -226,6 +226,18 @@ def test_cutoff_kernel_keeps_infinite_and_signed_zero_ties_as_the_sort(small_cap
         assert torch.equal(got.cpu(), want), (limit, (got.cpu() != want).sum(dim=-1).tolist())
 
 
+@needs_kernels
+def test_a_top_p_that_rounds_to_zero_keeps_one_token(small_cap):
+    """top_p = 1e-50 is valid but 0 in fp32: the most likely token alone, as the reference keeps."""
+    top_p = float(SamplingParams(top_p=1e-50).top_p)
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    top_k = [0, 3]
+    got = _kernel_keeps(logits, torch.arange(2, device=DEVICE), torch.ones(2, device=DEVICE),
+                        torch.tensor(top_k, device=DEVICE), torch.tensor([top_p] * 2, device=DEVICE), small_cap)
+    want = _reference_keeps(logits.cpu(), top_k, [top_p] * 2)
+    assert want.sum(dim=-1).tolist() == [1, 1] and torch.equal(got.cpu(), want)
+
+
 def test_cutoff_kernel_refuses_a_limit_past_its_capacity():
     with pytest.raises(ValueError, match="limit"):
         sampling_kernel.row_cutoffs(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), torch.ones(1),

@@ -267,6 +267,8 @@ class BlockDrafter(Drafter):
         incoming = Counter()
         for r, _, _, n in later:
             incoming[r] += n
+        for r in incoming:  # before new positions join a request's staged ones: no stale ones among them
+            self._prune(r)
         if any(n > self._defer for n in incoming.values()):  # several spans of one request outgrow a propose
             now += [sp for sp in later if incoming[sp[0]] > self._defer]
             later = [sp for sp in later if incoming[sp[0]] <= self._defer]
@@ -293,26 +295,46 @@ class BlockDrafter(Drafter):
 
     def _flush(self, req_ids=None) -> None:
         """Write the staged positions of ``req_ids`` (default: every request) now, from the staging
-        buffer; those no longer in their cache slots (:meth:`_current`) are dropped."""
+        buffer; those no longer in their cache slots (:meth:`_still_mapped`) are dropped."""
         runs = []
         for r in list(self._pending) if req_ids is None else [r for r in req_ids if r in self._pending]:
-            run = self._pending.pop(r)
-            if self._current(r, run):
+            run = self._still_mapped(r, self._pending.pop(r))
+            if run[0]:
                 runs.append(run)
         if runs:
             self._write(self._ctx_stage, runs)
 
     def _current(self, req_id: str, run) -> bool:
-        """Whether staged positions ``run`` still map to the cache slots they were staged for. In a
+        """Whether staged positions ``run`` all still map to the cache slots they were staged for."""
+        return len(self._still_mapped(req_id, run)[1]) == len(run[1])
+
+    def _still_mapped(self, req_id: str, run):
+        """``run`` without the staged positions whose cache slots are no longer the request's. In a
         pool shared with the target the scheduler frees a preempted request's pages, which another
-        request may hold by now: the staged writes are then stale (the request's context is
-        computed again when it is readmitted, and written again)."""
-        _, pos, slots = run
-        manager, lo, hi = self.kv.manager, min(pos), max(pos) + 1
-        if req_id not in manager or manager.length(req_id) < hi:
-            return False
+        request may hold by now: those staged writes are stale (the request's context is computed
+        again when it is readmitted, and written again)."""
+        rows, pos, slots = run
+        manager = self.kv.manager
+        if req_id not in manager:
+            return [], [], []
+        length = manager.length(req_id)
+        inside = [i for i, p in enumerate(pos) if p < length]
+        if not inside:
+            return [], [], []
+        lo, hi = min(pos[i] for i in inside), max(pos[i] for i in inside) + 1
         now = self.kv.slots(req_id, lo, hi)
-        return all(now[p - lo] == slot for p, slot in zip(pos, slots))
+        keep = [i for i in inside if now[pos[i] - lo] == slots[i]]
+        return [rows[i] for i in keep], [pos[i] for i in keep], [slots[i] for i in keep]
+
+    def _prune(self, req_id: str) -> None:
+        """Drop the request's stale staged positions (:meth:`_still_mapped`), keeping the others."""
+        run = self._pending.get(req_id)
+        if run is not None and not self._current(req_id, run):
+            kept = self._still_mapped(req_id, run)
+            if kept[0]:
+                self._pending[req_id] = kept
+            else:
+                del self._pending[req_id]
 
     def _write(self, hidden: torch.Tensor, runs) -> None:
         """Write context K/V eagerly: each run ``(rows, positions, slots)`` (equal-length sequences)
@@ -438,8 +460,7 @@ class BlockDrafter(Drafter):
         for r, n in zip(req_ids, ctx_lens):
             pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
             write = no_write
-            if r in self._pending and not self._current(r, self._pending[r]):
-                del self._pending[r]  # stale (see _current): never written
+            self._prune(r)  # stale positions (see _still_mapped) are never written
             if r in self._pending:  # taken off by propose once the draft has run
                 stage_rows, pos, where = self._pending[r]
                 pad = D - len(where)
