@@ -137,6 +137,12 @@ def test_owned_slots_and_bad_input():
         m0.truncate("a", 12)
     with pytest.raises(InvalidRequestError):
         HelixKVManager(layout, 2, 8)
+    first = m0.allocation("a")  # the rank-local allocation: kept by growth, new after free + allocate
+    m0.append("a", 3)
+    assert m0.allocation("a") == first
+    m0.free("a")
+    m0.allocate("a", 4)
+    assert m0.allocation("a") != first
     with pytest.raises(ConfigError, match="cp"):
         HelixLayout(0, 4)
 

@@ -218,6 +218,26 @@ def test_slots_map_positions_to_page_times_tpb_plus_offset():
             m.slots("a", start, stop)
 
 
+def test_allocation_id_survives_append_and_truncate_not_a_new_allocation():
+    m = KVCacheManager(8, 4)
+    m.allocate("a", 5)
+    first = m.allocation("a")
+    m.append("a", 6)
+    m.truncate("a", 2)
+    assert m.allocation("a") == first
+    m.allocate("b", 3)
+    assert m.allocation("b") != first
+    m.free("a")
+    with pytest.raises(InvalidRequestError, match="holds no pages"):
+        m.allocation("a")
+    m.allocate("a", 5)  # freed, then allocated again (a preempted request readmitted)
+    assert m.allocation("a") not in (first, m.allocation("b"))
+    with pytest.raises(PoolExhaustedError):
+        m.allocate("c", 100)
+    with pytest.raises(InvalidRequestError):  # a failed allocation leaves no id behind
+        m.allocation("c")
+
+
 def test_page_table_is_a_copy():
     m = KVCacheManager(4, 2)
     m.allocate("a", 3)

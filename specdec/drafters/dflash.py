@@ -151,8 +151,9 @@ class BlockDrafter(Drafter):
         self._iota: torch.Tensor | None = None
         self._mempool = None
         #: context positions written inside the next propose: req_id -> (start, stage row, slots)
-        # per request, its staged positions: (staging rows, positions, cache slots), at most _defer each
-        self._pending: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        # per request, its staged positions: (staging rows, positions, cache slots), at most _defer each,
+        # and the KV allocation the slots belong to (KVCacheManager.allocation)
+        self._pending: dict[str, tuple[list[int], list[int], list[int], int]] = {}
         self._ctx_stage: torch.Tensor | None = None  # [STAGE_STEPS * section, features] hidden states of pending writes
         self._section = 0  # the staging section the last step's positions went to
         self._defer = 0  # pending positions per request a propose writes (0: every write immediate)
@@ -268,7 +269,7 @@ class BlockDrafter(Drafter):
         for r, _, _, n in later:
             incoming[r] += n
         for r in incoming:  # before new positions join a request's staged ones: no stale ones among them
-            self._prune(r)
+            self._drop_stale(r)
         if any(n > self._defer for n in incoming.values()):  # several spans of one request outgrow a propose
             now += [sp for sp in later if incoming[sp[0]] > self._defer]
             later = [sp for sp in later if incoming[sp[0]] <= self._defer]
@@ -280,12 +281,13 @@ class BlockDrafter(Drafter):
             section = (self._section + 1) % STAGE_STEPS
             base = section * size
             full = {r for r in incoming if r in self._pending and len(self._pending[r][0]) + incoming[r] > self._defer}
-            reused = {r for r, (rows, _, _) in self._pending.items() if any(base <= x < base + size for x in rows)}
+            # a request's staged rows run from its oldest section on: only the first can sit in this one
+            reused = {r for r, (rows, *_) in self._pending.items() if rows[0] // size == section}
             self._flush(full | reused)  # before the section is overwritten
             self._ctx_stage[base:base + hi - lo].copy_(hidden[lo:hi])
             self._section = section
             for r, start, row, n in later:  # slots fixed now: a write lands where the pages were when staged
-                rows, pos, slots = self._pending.setdefault(r, ([], [], []))
+                rows, pos, slots, _ = self._pending.setdefault(r, ([], [], [], self.kv.manager.allocation(r)))
                 rows += range(base + row - lo, base + row - lo + n)
                 pos += range(start, start + n)
                 slots += self.kv.slots(r, start, start + n)
@@ -295,52 +297,30 @@ class BlockDrafter(Drafter):
 
     def _flush(self, req_ids=None) -> None:
         """Write the staged positions of ``req_ids`` (default: every request) now, from the staging
-        buffer; those no longer in their cache slots (:meth:`_still_mapped`) are dropped."""
-        runs = []
-        for r in list(self._pending) if req_ids is None else [r for r in req_ids if r in self._pending]:
-            run = self._still_mapped(r, self._pending.pop(r))
-            if run[0]:
-                runs.append(run)
+        buffer (stale ones dropped, :meth:`_drop_stale`)."""
+        for r in list(self._pending) if req_ids is None else req_ids:
+            self._drop_stale(r)
+        runs = [self._pending.pop(r) for r in (list(self._pending) if req_ids is None else req_ids)
+                if r in self._pending]
         if runs:
             self._write(self._ctx_stage, runs)
 
-    def _current(self, req_id: str, run) -> bool:
-        """Whether staged positions ``run`` all still map to the cache slots they were staged for."""
-        return len(self._still_mapped(req_id, run)[1]) == len(run[1])
-
-    def _still_mapped(self, req_id: str, run):
-        """``run`` without the staged positions whose cache slots are no longer the request's. In a
+    def _drop_stale(self, req_id: str) -> None:
+        """Forget the request's staged positions if their cache slots may no longer be its own: in a
         pool shared with the target the scheduler frees a preempted request's pages, which another
-        request may hold by now: those staged writes are stale (the request's context is computed
-        again when it is readmitted, and written again)."""
-        rows, pos, slots = run
-        manager = self.kv.manager
-        if req_id not in manager:
-            return [], [], []
-        length = manager.length(req_id)
-        inside = [i for i, p in enumerate(pos) if p < length]
-        if not inside:
-            return [], [], []
-        lo, hi = min(pos[i] for i in inside), max(pos[i] for i in inside) + 1
-        now = self.kv.slots(req_id, lo, hi)
-        keep = [i for i in inside if now[pos[i] - lo] == slots[i]]
-        return [rows[i] for i in keep], [pos[i] for i in keep], [slots[i] for i in keep]
-
-    def _prune(self, req_id: str) -> None:
-        """Drop the request's stale staged positions (:meth:`_still_mapped`), keeping the others."""
+        request may hold by then (the request's context is computed again when it is readmitted,
+        and written again). Staged positions are accepted ones, which rollback never truncates, so
+        an unchanged allocation (:meth:`KVCacheManager.allocation`) keeps them valid."""
         run = self._pending.get(req_id)
-        if run is not None and not self._current(req_id, run):
-            kept = self._still_mapped(req_id, run)
-            if kept[0]:
-                self._pending[req_id] = kept
-            else:
-                del self._pending[req_id]
+        manager = self.kv.manager
+        if run is not None and (req_id not in manager or manager.allocation(req_id) != run[3]):
+            del self._pending[req_id]
 
     def _write(self, hidden: torch.Tensor, runs) -> None:
-        """Write context K/V eagerly: each run ``(rows, positions, slots)`` (equal-length sequences)
+        """Write context K/V eagerly: each run ``(rows, positions, slots, ...)`` (equal-length sequences)
         writes the hidden states at ``rows`` of ``hidden``, at those positions, into those cache slots."""
         rows, slots, pos = [], [], []
-        for r, p, where in runs:
+        for r, p, where, *_ in runs:
             rows += r
             pos += p
             slots += where
@@ -460,9 +440,9 @@ class BlockDrafter(Drafter):
         for r, n in zip(req_ids, ctx_lens):
             pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
             write = no_write
-            self._prune(r)  # stale positions (see _still_mapped) are never written
+            self._drop_stale(r)  # stale positions are never written
             if r in self._pending:  # taken off by propose once the draft has run
-                stage_rows, pos, where = self._pending[r]
+                stage_rows, pos, where, _ = self._pending[r]
                 pad = D - len(where)
                 write = [*stage_rows, *[0] * pad, *pos, *[0] * pad, *where, *[self.kv.scratch_slot] * pad]
             out.append([self._tokens[r][-1], *masks, *range(n, n + B), n, *write, *pages, *[0] * (P - len(pages))])

@@ -134,8 +134,8 @@ class HybridDrafter(Drafter):
         self.cost_aware, self._clock = cost_aware, clock
         self.stats = {"learned": 0, "suffix": 0, "none": 0, "learned_errors": 0, "learned_skipped": 0,
                       "learned_declined": 0}
-        #: running averages (``cost_aware``): seconds of a step without the learned propose, seconds of
-        #: the learned propose, expected accepted tokens of a learned draft; ``None`` until measured
+        #: running averages (only with ``cost_aware``): seconds of a step without the learned propose,
+        #: seconds of the learned propose, expected accepted tokens of a learned draft; ``None`` until measured
         self.step_s: float | None = None
         self.learned_s: float | None = None
         self.learned_mean: float | None = None
@@ -203,6 +203,21 @@ class HybridDrafter(Drafter):
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.SMOOTHING * (new - old)
 
+    def _time_step(self) -> None:
+        """``cost_aware``: the time since the previous propose, less its learned propose, into
+        :attr:`step_s` (a gap of over ``IDLE_FACTOR`` steps is idle time, unless three come in a row)."""
+        now = self._clock()
+        if self._last_call is not None:
+            gap = max(now - self._last_call - self._last_learned_s, 0.0)
+            if self.step_s is None or gap <= self.IDLE_FACTOR * self.step_s:
+                self.step_s, self._idle_run = self._average(self.step_s, gap), 0
+            else:
+                self._idle_run += 1
+                if self._idle_run >= 3:  # not idle: the steps themselves got longer
+                    self.step_s, self._idle_run = gap, 0
+        self._last_call, self._last_learned_s = now, 0.0
+        self._steps += 1
+
     def _one_off_seconds(self) -> float:
         """Seconds the learned drafter has spent so far capturing graphs and compiling (its ``stats``)."""
         stats = getattr(self.learned, "stats", None) or {}
@@ -236,17 +251,8 @@ class HybridDrafter(Drafter):
         ask it only when :meth:`worth_asking` says so. If the learned drafter raises, the step takes
         the suffix drafts (its fault stays inside it).
         """
-        now = self._clock()
-        if self._last_call is not None:  # the previous step, less its learned propose; idle gaps left out
-            gap = max(now - self._last_call - self._last_learned_s, 0.0)
-            if self.step_s is None or gap <= self.IDLE_FACTOR * self.step_s:
-                self.step_s, self._idle_run = self._average(self.step_s, gap), 0
-            else:
-                self._idle_run += 1
-                if self._idle_run >= 3:  # not idle: the steps themselves got longer
-                    self.step_s, self._idle_run = gap, 0
-        self._last_call, self._last_learned_s = now, 0.0
-        self._steps += 1
+        if self.cost_aware:
+            self._time_step()
         suffix = self.suffix.propose(req_ids, max_tokens)
         scores = [expected_accepted(b, self.default_confidence) for b in suffix]
         best = self.learned_best
@@ -265,25 +271,26 @@ class HybridDrafter(Drafter):
         learned = [Draft() for _ in req_ids]
         learned_scores = [0.0] * len(req_ids)
         if ask:
-            t0 = self._clock()
-            spent = self._one_off_seconds()
+            t0, spent = (self._clock(), self._one_off_seconds()) if self.cost_aware else (0.0, 0.0)
             try:
                 drafts = self.learned.propose([req_ids[i] for i in ask], max_tokens)
             except Exception as e:  # noqa: BLE001 - contained: the suffix drafts still stand
-                self._last_learned_s = self._clock() - t0
+                if self.cost_aware:
+                    self._last_learned_s = self._clock() - t0
                 if not self.stats["learned_errors"]:
                     warnings.warn(f"HybridDrafter: the learned drafter's propose raised ({type(e).__name__}: {e}); "
                                   "this step uses the suffix drafts", RuntimeWarning, stacklevel=2)
                 self.stats["learned_errors"] += 1
             else:
-                self._last_learned_s = self._clock() - t0
-                # a graph capture or a compile inside the call is a one-off, not the propose's cost
-                took = max(self._last_learned_s - (self._one_off_seconds() - spent), 0.0)
-                self.learned_s = took if probe else self._average(self.learned_s, took)
                 for i, d in zip(ask, drafts):
                     learned[i], learned_scores[i] = d, expected_accepted(d, self.default_confidence)
-                mean = sum(learned_scores[i] for i in ask) / len(ask)
-                self.learned_mean = mean if probe else self._average(self.learned_mean, mean)
+                if self.cost_aware:
+                    self._last_learned_s = self._clock() - t0
+                    # a graph capture or a compile inside the call is a one-off, not the propose's cost
+                    took = max(self._last_learned_s - (self._one_off_seconds() - spent), 0.0)
+                    self.learned_s = took if probe else self._average(self.learned_s, took)
+                    mean = sum(learned_scores[i] for i in ask) / len(ask)
+                    self.learned_mean = mean if probe else self._average(self.learned_mean, mean)
                 if any(len(d) for d in drafts):
                     top = max(learned_scores[i] for i in ask)
                     self.learned_best = top if self.learned_best is None else max(self.learned_best, top)

@@ -37,6 +37,8 @@ class KVCacheManager:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
+        self._allocations: dict[Hashable, int] = {}
+        self._next_allocation = 0
 
     # -- queries -----------------------------------------------------------
     @property
@@ -49,6 +51,13 @@ class KVCacheManager:
     def length(self, req_id: Hashable) -> int:
         """Tokens currently held for ``req_id``."""
         return self._lengths[self._known(req_id)]
+
+    def allocation(self, req_id: Hashable) -> int:
+        """An id of ``req_id``'s current allocation: the same while it holds pages (append and
+        truncate keep it), a new one once it is freed and allocated again (e.g. after preemption),
+        so a slot computed earlier is still the request's exactly when the id is unchanged and the
+        position was not truncated away."""
+        return self._allocations[self._known(req_id)]
 
     def page_table(self, req_id: Hashable) -> list[int]:
         """Physical pages of ``req_id``, logical page order (a copy)."""
@@ -86,6 +95,7 @@ class KVCacheManager:
         except PoolExhaustedError:
             del self._tables[req_id], self._lengths[req_id]
             raise
+        self._allocations[req_id], self._next_allocation = self._next_allocation, self._next_allocation + 1
 
     def append(self, req_id: Hashable, num_tokens: int) -> None:
         """Grow ``req_id`` by ``num_tokens`` tokens, taking pages as needed.
@@ -122,7 +132,7 @@ class KVCacheManager:
     def free(self, req_id: Hashable) -> None:
         """Release every page of ``req_id`` and forget it."""
         self.truncate(req_id, 0)
-        del self._tables[req_id], self._lengths[req_id]
+        del self._tables[req_id], self._lengths[req_id], self._allocations[req_id]
 
     def _known(self, req_id: Hashable) -> Hashable:
         if req_id not in self._tables:

@@ -172,6 +172,10 @@ class HelixKVManager:
         """This rank's physical pages of ``req_id``, local page order (a copy)."""
         return self.local.page_table(self._known(req_id))
 
+    def allocation(self, req_id: Hashable) -> int:
+        """:meth:`KVCacheManager.allocation` of this rank's pages of ``req_id``."""
+        return self.local.allocation(self._known(req_id))
+
     def can_grow(self, req_id: Hashable | None, num_tokens: int) -> bool:
         """Whether this rank has room for ``num_tokens`` more global tokens of ``req_id``."""
         have = self._lengths.get(req_id, 0)

@@ -148,6 +148,10 @@ class HelixPageManager:
         """This rank's physical pages of ``req_id``, local order (a copy)."""
         return self.helix.page_table(req_id)
 
+    def allocation(self, req_id: Hashable) -> int:
+        """:meth:`KVCacheManager.allocation` of this rank's pages of ``req_id``."""
+        return self.helix.allocation(req_id)
+
     def slots(self, req_id: Hashable, start: int, stop: int) -> list[int]:
         """Local slot of each global position of ``[start, stop)``; ``-1`` where another rank owns it."""
         if not 0 <= start <= stop <= self.length(req_id):
