@@ -24,7 +24,7 @@ the same run. Writes ``cutoff_sweep.md`` and ``.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
 import os
 import statistics
 import sys
@@ -130,7 +130,7 @@ def main() -> None:
     from specdec.attention.backends.triton_interp import fixed_interpreter
 
     dev = torch.device(args.device)
-    with fixed_interpreter() if args.quick else _nothing():
+    with fixed_interpreter() if args.quick else contextlib.nullcontext():
         if args.quick:
             pool = (torch.randn(64, 2000, generator=torch.Generator().manual_seed(0)) * 3)
             settings = [(256, 4, 8, 64), (512, 4, 4, 32)]  # the interpreter sorts slowly
@@ -186,14 +186,6 @@ def main() -> None:
     md += [f"| {r['rows']} | {r['limits']} | {r['reference_ms']:.3f} | " + " | ".join(r[lb] for lb in labels) + " |"
            for r in results]
     write_results(args.out, "cutoff_sweep", "\n".join(md), {"shape": shape, "times": results})
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
