@@ -37,7 +37,7 @@
 #                                      # sort), end to end (needs .evaldata carried); then 'sampling' for the table
 #   bash bench/device_gpu.sh nullcompile # null at batch 8 before and after a compiled DSpark in one process: timers,
 #                                      # GC time, cProfile and process state (then with the drafter released)
-#   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, hybrid, hybrid+cost (staged context
+#   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, dspark, hybrid, hybrid+cost (staged context
 #                                      # writes now survive skipped proposes)
 set -uo pipefail
 . /tmp/stage/env.sh
@@ -63,7 +63,7 @@ for part in "$@"; do
         --out "$OUT/e2e_pgoverlap" 2>&1 \
         | grep "^|" ;;
     sampling)  # sampled and greedy requests in one batch (issue 16's acceptance); .evaldata must be carried
-      timeout 300 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
+      timeout 220 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
         --max-new-tokens 256 --device cuda --dtype bfloat16 ${REPEAT:+--repeat $REPEAT} --out "$OUT/sampling_mix" 2>&1 \
         | grep -E "^\||^\`|Error|error" ;;
     realtests)  # the real model on the GPU only (strict lossless in fp32, bf16 batch-invariant)
@@ -125,10 +125,10 @@ for part in "$@"; do
         --batch-sizes 1,8,32 --drafters null,suffix,dflash+nocompile,dflash,dspark+nocompile,dspark,hybrid+nocompile,hybrid \
         --skip-hf --out "$OUT/e2e_hybrid" 2>&1 | grep "^|\|^- " ;;
     cutoffs)  # issue 16: the cutoffs without a sort: GPU tests, then its settings on real logits (a call of its own)
-      timeout 240 python -m pytest tests/test_sampling_kernel.py tests/test_sampling_cutoffs.py -p no:cacheprovider -rA \
+      timeout 200 python -m pytest tests/test_sampling_kernel.py tests/test_sampling_cutoffs.py -p no:cacheprovider -rA \
         -o addopts= > "$OUT/gpu_tests_cutoffs.txt" 2>&1
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests_cutoffs.txt" | head -30
-      timeout 330 python bench/cutoff_sweep.py --device cuda --out "$OUT/cutoff_sweep" 2>&1 | grep "^|" | head -40 ;;
+      timeout 150 python bench/cutoff_sweep.py --device cuda --out "$OUT/cutoff_sweep" 2>&1 | grep "^|" | head -40 ;;
     sampprofile)  # sample_rows part by part (the cutoff kernel beside the sort) and end to end
       timeout 300 python bench/sampling_profile.py --device cuda --spec-bench .evaldata/question.jsonl \
         --out "$OUT/sampling_profile" 2>&1 | grep "^|" | head -40 ;;
@@ -138,7 +138,7 @@ for part in "$@"; do
         2>&1 | grep "^|" ;;
     hybridcost)  # issue 15: the cost-aware hybrid beside the plain one
       timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix,hybrid,hybrid+cost --skip-hf --out "$OUT/e2e_hybrid_cost" \
+        --batch-sizes 1,8,32 --drafters null,suffix,dspark,hybrid,hybrid+cost --skip-hf --out "$OUT/e2e_hybrid_cost" \
         2>&1 | grep "^|\|^- " ;;
     nullafter)  # 2026-12-05: null at batch 8 ran 35-40 % slower (host launch time) after a compiled drafter
       for threads in "" 1; do

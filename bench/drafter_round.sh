@@ -5,7 +5,8 @@
 #                                       # part I of N (a large set over several calls; train on every part)
 #   bash bench/drafter_round.sh train   # train DFlash and DSpark side by side on $DATA for $SECONDS (default 420)
 #                                       # each, into specdec/drafters/checkpoints/ (RESUME=1: continue the
-#                                       # checkpoints there); weights, training.json and plots come back
+#                                       # checkpoints there); both checkpoint folders come back as
+#                                       # $OUT/checkpoints.tar.N pieces (cat them | tar -x), with the logs
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
 # Knobs: MAGPIE, CODE, GROUNDED (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
@@ -44,9 +45,11 @@ for part in "$@"; do
       wait
       for kind in dflash dspark; do
         tail -5 "$OUT/train_$kind.log"
-        mkdir -p "$OUT/$kind" && cp /tmp/ck-$kind/* "$OUT/$kind/" && rm -rf "$CK/smollm2-135m-$kind" \
-          && cp -r /tmp/ck-$kind "$CK/smollm2-135m-$kind"
-      done ;;
+        rm -rf "$CK/smollm2-135m-$kind" && cp -r /tmp/ck-$kind "$CK/smollm2-135m-$kind"
+      done
+      # at most 8 files of 16 MiB come back: both checkpoints in one archive, in 15 MiB pieces
+      # (locally: cat checkpoints.tar.* | tar -x)
+      tar -C /tmp -cf - ck-dflash ck-dspark | split -b 15M -d -a 1 - "$OUT/checkpoints.tar." ;;
     eval)
       timeout 250 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,dflash,dspark,dspark+conf --skip-hf --out "$OUT/e2e_humaneval" \
