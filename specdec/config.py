@@ -10,13 +10,20 @@ import torch
 from specdec.errors import ConfigError, InvalidRequestError
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (as vLLM's). With logits below ``3e33`` in magnitude,
+``logits / temperature`` stays finite in fp32 at every temperature a request samples at."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request is decoded.
 
     Attributes:
         max_new_tokens: most tokens to generate (>= 1).
-        temperature: 0 means greedy; > 0 samples from softmax(logits / temperature).
+        temperature: 0 means greedy; > 0 samples from softmax(logits / temperature). Below
+            :data:`GREEDY_BELOW` (1e-5) the request is greedy too: sampling there is the argmax
+            but for exact ties, and ``logits / temperature`` could overflow fp32.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability is >= top_p, in (0, 1].
         stop: strings that end generation; the stop string is not returned.
@@ -60,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the request takes the argmax: temperature 0 or below :data:`GREEDY_BELOW`."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)

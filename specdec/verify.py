@@ -98,16 +98,17 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     Args:
         logits: ``[n, vocab]`` target logits, any float dtype.
-        params: sampling parameters; ``params.temperature`` must be > 0.
+        params: sampling parameters; a sampling temperature (``not params.greedy``).
 
     Returns:
         ``[n, vocab]`` fp32 probabilities; every row sums to 1.
 
     Raises:
-        ConfigError: ``params.temperature`` is 0 (greedy decoding uses argmax).
+        ConfigError: ``params`` is greedy (temperature below 1e-5: greedy decoding uses argmax).
     """
     if params.greedy:
-        raise ConfigError("temperature must be > 0 for logits_to_probs; greedy decoding (temperature 0) uses argmax")
+        raise ConfigError(f"logits_to_probs needs a sampling temperature (>= 1e-5), got {params.temperature!r}; "
+                          "greedy decoding uses argmax")
     z = logits.float() / params.temperature  # [n, vocab]
     n, vocab = z.shape
     if 0 < params.top_k < vocab or params.top_p < 1.0:

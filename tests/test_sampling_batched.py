@@ -18,6 +18,7 @@ from specdec import SamplingParams, SpecEngine
 from specdec.drafters import Draft, Drafter, HybridDrafter, NullDrafter, SuffixAutomatonDrafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
+from specdec.errors import ConfigError
 from specdec.sampling import (RowSampling, gumbel_noise, mix32, request_key, row_uniforms, sample_rows,
                               shape_logits, verify_batch)
 from specdec.target import load_target
@@ -284,6 +285,20 @@ def test_a_seed_gives_the_null_drafters_tokens_with_any_drafter(target, null_out
         assert sum(o.stats.drafted for o in outs) > 0
     if name.startswith("suffix"):  # speculation really happened on the sampled requests
         assert sum(o.stats.accepted for o in outs[::2]) >= 10
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 9.99e-6])
+def test_a_temperature_below_1e_5_decodes_greedily(target, null_outputs, temperature):
+    """Below GREEDY_BELOW a request is greedy (logits / temperature would overflow fp32 near 1e-38):
+    the greedy tokens, with any seed, in a batch beside sampled requests; at 1e-5 it samples."""
+    _, greedy = null_outputs
+    tiny = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5, ignore_eos=True)
+    assert tiny.greedy and not SamplingParams(temperature=1e-5).greedy
+    mixed = [tiny if i % 2 == 0 else _with_seed(SAMPLED, 11 + i) for i in range(len(PROMPTS))]
+    outs = _run(target, SuffixAutomatonDrafter(), PROMPTS, mixed)
+    assert [o.token_ids for o in outs[::2]] == greedy[::2]
+    with pytest.raises(ConfigError, match="sampling temperature"):
+        logits_to_probs(torch.zeros(1, VOCAB), tiny)
 
 
 def test_sampled_requests_in_an_engine_batch_follow_p(target, paged_runner):
