@@ -160,3 +160,26 @@ def test_suffix_and_null_drafters_share_nothing(tiny):
     for d in (NullDrafter(), SuffixAutomatonDrafter()):
         layout = SpecEngine(tiny, d, share_draft_kv=True).kv_layout
         assert not layout["shared"] and "no KV layers" in layout["reason"] and len(layout["pools"]) == 1
+
+
+def test_large_checkpoints_are_saved_in_shards_that_load_back(tmp_path):
+    """Past shard_bytes the weights go into several files (each within the limit) with an HF index;
+    a later save replaces every weights file, so shards of an older save never mix in."""
+    from specdec.drafters.block import save_net
+
+    net = init_weights(BlockDrafterNet(cfg(1, block_size=4)), seed=4)
+    limit = max(v.numel() * v.element_size() for v in net.state_dict().values()) * 3
+    save_net(net, tmp_path, "SpecdecBlockDrafter", shard_bytes=limit)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(net.state_dict()) and set(index["weight_map"].values()) == {
+        s.name for s in shards}
+    assert all(s.stat().st_size < limit + 4096 for s in shards)  # tensor data + a small header
+    loaded = BlockDrafterNet.load(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+    other = init_weights(BlockDrafterNet(cfg(1, block_size=4)), seed=5)
+    other.save(tmp_path)  # one file now: the shards and the index are gone
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert all(torch.equal(BlockDrafterNet.load(tmp_path).state_dict()[k], v) for k, v in other.state_dict().items())

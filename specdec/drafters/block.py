@@ -389,7 +389,8 @@ class BlockDrafterNet(nn.Module):
 
     # -- checkpoints -----------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Write ``config.json`` + ``model.safetensors`` (the target's embedding/LM head are not stored)."""
+        """Write ``config.json`` + the weights (:func:`save_net`; the target's embedding/LM head are
+        not stored)."""
         save_net(self, path, "SpecdecBlockDrafter")
 
     @classmethod
@@ -405,15 +406,42 @@ class BlockDrafterNet(nn.Module):
         return load_weights(cls(config), weights, path)
 
 
-def save_net(net: nn.Module, path: str | Path, architecture: str) -> None:
+SHARD_BYTES = 15 << 20
+"""Largest weights file :func:`save_net` writes (bytes of tensor data): checkpoints travel and are
+committed as files of at most 16 MiB."""
+
+
+def save_net(net: nn.Module, path: str | Path, architecture: str, shard_bytes: int = SHARD_BYTES) -> None:
     """Write a block drafter network as ``config.json`` (``architectures: [architecture]`` and its
-    config's fields) + ``model.safetensors``."""
+    config's fields) + ``model.safetensors``, or, past ``shard_bytes`` of weights, the shards
+    ``model-0000i-of-0000n.safetensors`` and their ``model.safetensors.index.json`` (the Hugging Face
+    layout). Weights files already in ``path`` are replaced, never mixed with the new ones."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({"architectures": [architecture], **net.config.to_json()}, indent=2))
-    save_file({k: v.detach().contiguous().cpu() for k, v in net.state_dict().items()}, path / "model.safetensors")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in net.state_dict().items():
+        v = v.detach().contiguous().cpu()
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors")
+        return
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, path / name)
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for sh in shards for v in sh.values())},
+             "weight_map": {k: name for name, sh in zip(names, shards) for k in sh}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def load_weights(net: nn.Module, weights: dict[str, torch.Tensor], path: str | Path) -> nn.Module:

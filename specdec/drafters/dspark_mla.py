@@ -257,7 +257,8 @@ class MLABlockDrafterNet(nn.Module):
         return _rms(x, self.norm.weight, c.rms_norm_eps)
 
     def save(self, path: str | Path) -> None:
-        """Write ``config.json`` + ``model.safetensors`` (the target's embedding/LM head are not stored)."""
+        """Write ``config.json`` + the weights (:func:`specdec.drafters.block.save_net`; the target's
+        embedding/LM head are not stored)."""
         save_net(self, path, "SpecdecMLABlockDrafter")
 
     @classmethod
