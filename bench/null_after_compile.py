@@ -14,7 +14,8 @@ own time over one generation, and the process state a compile may leave behind (
 garbage collector tracks, and how often it ran, included):
 Python threads alive (names), child processes, torch's intra-op threads, the garbage collector's
 counts and thresholds, whether a TorchFunctionMode or dispatch mode is active, and
-``sys.getprofile`` / ``sys.gettrace``. ``--release`` also drops the drafter engine and runs
+``sys.getprofile`` / ``sys.gettrace``, and the CUDA caching allocator's counters. A last phase runs null
+once more after ``gc.collect(); gc.freeze()`` (``--no-freeze`` skips it). ``--release`` also drops the drafter engine and runs
 ``gc.collect()`` and ``torch._dynamo.reset()`` before the second phase (does the slowdown go?).
 
 Target: SmolLM2-135M (``--target``) with the shipped DSpark on CUDA; with ``--quick`` a random
@@ -68,7 +69,18 @@ def process_state() -> dict:
             "dispatch_modes": [type(m).__name__ for m in _get_current_dispatch_mode_stack()],
             "profile_hook": repr(sys.getprofile()), "trace_hook": repr(sys.gettrace()),
             "grad_enabled": torch.is_grad_enabled(), "gc_tracked_objects": len(gc.get_objects()),
-            "gc_collections": [g["collections"] for g in gc.get_stats()]}
+            "gc_collections": [g["collections"] for g in gc.get_stats()], "gc_frozen": gc.get_freeze_count(),
+            **cuda_allocator()}
+
+
+def cuda_allocator() -> dict:
+    """The caching allocator's counters (does a compile leave it allocating from the driver each step?)."""
+    if not torch.cuda.is_available():
+        return {}
+    st = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "segment.all.current",
+            "allocation.all.current", "reserved_bytes.all.current")
+    return {f"cuda_{k}": st.get(k) for k in keys}
 
 
 class GCTimer:
@@ -165,6 +177,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=18, help="cProfile rows per null phase")
     ap.add_argument("--release", action="store_true", help="drop the drafter engine and reset dynamo before phase 2")
+    ap.add_argument("--no-freeze", action="store_true", help="skip the last phase (null after gc.collect(); gc.freeze())")
     ap.add_argument("--quick", action="store_true", help="CPU, random weights, short")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -187,6 +200,12 @@ def main() -> None:
     print(phases[-1], file=sys.stderr, flush=True)
     phases.append(null_phase(target, ps, args, "null, after the compiled drafter"))
     print(phases[-1]["phase"], phases[-1]["tokens_per_s"], file=sys.stderr, flush=True)
+    if not args.no_freeze:  # the garbage collector no longer walks what the compile left (as vLLM after warm-up)
+        gc.collect()
+        gc.freeze()
+        phases.append(null_phase(target, ps, args, "null, after gc.freeze()"))
+        print(phases[-1]["phase"], phases[-1]["tokens_per_s"], file=sys.stderr, flush=True)
+        gc.unfreeze()
     del keep
     header = run_header(args.device, f"{'random SmolLM2-shaped target' if args.quick else args.target} {args.dtype}",
                         f"batch {args.batch_size}", f"{args.new_tokens} new tokens", f"{args.rounds} timed rounds",
