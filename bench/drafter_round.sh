@@ -7,7 +7,7 @@
 #                                       # each, into specdec/drafters/checkpoints/ (RESUME=1: continue the
 #                                       # checkpoints there); both checkpoint folders come back as
 #                                       # $OUT/checkpoints.tar.N pieces (cat them | tar -x), with the logs
-#   bash bench/drafter_round.sh round   # train (INIT=1, SECONDS_BUDGET 270, the repo's data) then e2e at batch 1 and 8:
+#   bash bench/drafter_round.sh round   # train (INIT=1, SECONDS_BUDGET 240, the repo's data) then e2e at batch 1 and 8:
 #                                       # one call of at most 9.5 minutes
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
@@ -52,12 +52,12 @@ for part in "$@"; do
       # at most 8 files of 16 MiB come back: both checkpoints in one archive, in 15 MiB pieces
       # (locally: cat checkpoints.tar.* | tar -x)
       tar -C /tmp -cf - ck-dflash ck-dspark | split -b 15M -d -a 1 - "$OUT/checkpoints.tar." ;;
-    round)  # one call: train both kinds from the repo's checkpoints (INIT) for $SECONDS_BUDGET (default 270) on the
+    round)  # one call: train both kinds from the repo's checkpoints (INIT) for $SECONDS_BUDGET (default 240) on the
             # repo's data sets, then e2e at batch 1 and 8 with the new weights beside null and suffix
       DATA="${DATA_SETS:-data/drafter-smollm2-135m data/drafter-smollm2-135m-b}" INIT=1 \
-        SECONDS_BUDGET="${SECONDS_BUDGET:-270}" bash "$0" train
-      timeout 250 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes "${BATCHES:-1,8}" --drafters null,suffix,dflash,dspark,hybrid,hybrid+cost --skip-hf \
+        SECONDS_BUDGET="${SECONDS_BUDGET:-240}" bash "$0" train
+      timeout 270 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes "${BATCHES:-1,8}" --drafters null,suffix,dflash,dspark,hybrid,hybrid+dflash,hybrid+cost --skip-hf \
         --out "$OUT/e2e_round" 2>&1 | grep "^|\|^- " ;;
     eval)
       timeout 250 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \

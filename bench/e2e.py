@@ -109,6 +109,12 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
         elif variant == "cost" and kind != "hybrid":
             raise SystemExit(f"{drafter_name}: '+cost' is the hybrid drafter's (hybrid+cost)")
+        elif variant == "dflash":  # the hybrid with the shipped DFlash as its learned drafter (no confidence head)
+            if kind != "hybrid":
+                raise SystemExit(f"{drafter_name}: '+dflash' is the hybrid drafter's (hybrid+dflash)")
+            from specdec.drafters.dflash import DFlashDrafter
+
+            kwargs["learned"] = DFlashDrafter()
         elif variant in DRAFTER_VARIANTS:
             if kind not in ("dflash", "dspark", "dspark_mla", "hybrid"):
                 raise SystemExit(f"{drafter_name}: '+{variant}' needs a block drafter (dflash, dspark, hybrid)")
@@ -249,7 +255,8 @@ def main() -> None:
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
                          "to null+nopg); '+conf' cuts drafts by confidence; '+compile' / '+nocompile' run a block drafter's "
                          "propose through torch.compile or not (default: compiled on CUDA; e.g. dflash+nocompile); "
-                         "'+cost' makes the hybrid cost-aware (hybrid+cost)")
+                         "'+cost' makes the hybrid cost-aware (hybrid+cost); '+dflash' gives the hybrid the shipped DFlash "
+                         "instead of DSpark (hybrid+dflash)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,
