@@ -104,7 +104,7 @@ def graph_ms(fn, iters: int, per_graph: int = 10) -> float:
 
 
 def quantiles(x: torch.Tensor) -> str:
-    q = torch.quantile(x.float(), torch.tensor([0.5, 0.9, 0.99, 1.0]))
+    q = torch.quantile(x.float(), torch.tensor([0.5, 0.9, 0.99, 1.0], device=x.device))
     return " / ".join(f"{v:.3g}" for v in q.tolist())
 
 
