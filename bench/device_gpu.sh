@@ -37,8 +37,8 @@
 #                                      # sort), end to end (needs .evaldata carried); then 'sampling' for the table
 #   bash bench/device_gpu.sh nullcompile # null at batch 8 before and after a compiled DSpark in one process: timers,
 #                                      # GC time, cProfile and process state (then with the drafter released)
-#   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, dspark, hybrid, hybrid+cost (staged context
-#                                      # writes now survive skipped proposes)
+#   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, dspark, hybrid (cost-aware, the
+#                                      # default), hybrid+nocost, hybrid+dflash
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -138,7 +138,7 @@ for part in "$@"; do
         2>&1 | grep "^|" ;;
     hybridcost)  # issue 15: the cost-aware hybrid beside the plain one
       timeout 560 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix,dspark,hybrid,hybrid+cost --skip-hf --out "$OUT/e2e_hybrid_cost" \
+        --batch-sizes 1,8,32 --drafters null,suffix,dspark,hybrid,hybrid+nocost,hybrid+dflash --skip-hf --out "$OUT/e2e_hybrid_cost" \
         2>&1 | grep "^|\|^- " ;;
     nullafter)  # 2026-12-05: null at batch 8 ran 35-40 % slower (host launch time) after a compiled drafter
       for threads in "" 1; do

@@ -57,7 +57,7 @@ for part in "$@"; do
       DATA="${DATA_SETS:-data/drafter-smollm2-135m data/drafter-smollm2-135m-b}" INIT=1 \
         SECONDS_BUDGET="${SECONDS_BUDGET:-240}" bash "$0" train
       timeout 270 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes "${BATCHES:-1,8}" --drafters null,suffix,dflash,dspark,hybrid,hybrid+dflash,hybrid+cost --skip-hf \
+        --batch-sizes "${BATCHES:-1,8}" --drafters null,suffix,dflash,dspark,hybrid,hybrid+nocost,hybrid+dflash --skip-hf \
         --out "$OUT/e2e_round" 2>&1 | grep "^|\|^- " ;;
     eval)
       timeout 250 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \

@@ -107,8 +107,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             kwargs["corpus"] = [o for _, o in json.loads(Path(args.suffix_corpus).read_text())]
         elif variant in ENGINE_VARIANTS:
             engine_kw = {**engine_kw, **ENGINE_VARIANTS[variant]}
-        elif variant == "cost" and kind != "hybrid":
-            raise SystemExit(f"{drafter_name}: '+cost' is the hybrid drafter's (hybrid+cost)")
+        elif variant in ("cost", "nocost") and kind != "hybrid":
+            raise SystemExit(f"{drafter_name}: '+{variant}' is the hybrid drafter's (hybrid+{variant})")
         elif variant == "dflash":  # the hybrid with the shipped DFlash as its learned drafter (no confidence head)
             if kind != "hybrid":
                 raise SystemExit(f"{drafter_name}: '+dflash' is the hybrid drafter's (hybrid+dflash)")
@@ -200,7 +200,8 @@ ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": Fals
 # drafter settings a system name may add ("dflash+compile"); ratios are to plain null. A block
 # drafter's propose is compiled by default on CUDA and not on the CPU: '+compile' / '+nocompile' force it.
 DRAFTER_VARIANTS = {"compile": {"torch_compile": True}, "nocompile": {"torch_compile": False},
-                    "cost": {"cost_aware": True}}  # '+cost': the hybrid asks DSpark only where it pays
+                    "cost": {"cost_aware": True},  # '+cost': the hybrid asks DSpark only where it pays (default)
+                    "nocost": {"cost_aware": False}}  # '+nocost': wherever DSpark could win
 
 
 def _null_of(label: str, labels=()) -> str:
@@ -255,8 +256,8 @@ def main() -> None:
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
                          "to null+nopg); '+conf' cuts drafts by confidence; '+compile' / '+nocompile' run a block drafter's "
                          "propose through torch.compile or not (default: compiled on CUDA; e.g. dflash+nocompile); "
-                         "'+cost' makes the hybrid cost-aware (hybrid+cost); '+dflash' gives the hybrid the shipped DFlash "
-                         "instead of DSpark (hybrid+dflash)")
+                         "'+cost' / '+nocost' make the hybrid cost-aware (the default) or not; '+dflash' gives "
+                         "the hybrid the shipped DFlash instead of DSpark (hybrid+dflash)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,

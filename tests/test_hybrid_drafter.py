@@ -60,7 +60,7 @@ def test_the_learned_drafter_is_asked_only_where_it_could_win():
     a step where no request needs it does not call it."""
     learned = _Scripted({"a": _chain(0.9, 0.9), "b": _chain(0.5), "c": _chain(0.8, 0.8, 0.8)}, (1,))
     suffix = _Scripted({"a": _chain(0.99, 0.99, 0.99, 0.99), "b": _chain(0.3), "c": _chain(0.6)})
-    h = HybridDrafter(learned=learned, suffix=suffix)
+    h = HybridDrafter(learned=learned, suffix=suffix, cost_aware=False)
     assert h.learned_best is None
     out = h.propose(["a", "b"], 8)
     assert learned.asked == [["a", "b"]] and h.stats["learned_skipped"] == 0
@@ -165,6 +165,7 @@ def test_abort_and_stop_reach_both_drafters_even_if_one_raises(smollm2, monkeypa
 
 def test_settings_and_figures_are_the_two_drafters():
     h = HybridDrafter()
+    assert h.cost_aware and not HybridDrafter(cost_aware=False).cost_aware  # cost-aware by default (measured)
     h.cuda_graphs = False
     h.torch_compile = True
     assert h.learned.cuda_graphs is False and h.learned.torch_compile is True
