@@ -184,7 +184,17 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             **({"hybrid_stats": dict(drafter.stats)} if block is not drafter else {}),
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
                                   "compile_s_untimed": compile_s}} if dstats else {}),
-            **({"cprofile": profile} if profile else {})}
+            **({"cprofile": profile} if profile else {}),
+            "process": _process_state()}
+
+
+def _process_state() -> dict:
+    """The process after the timed run (what earlier systems left: GC-tracked objects, threads,
+    child processes, the CUDA caching allocator's counters): bench/results_io.process_state."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_io import process_state
+
+    return process_state()
 
 
 def _tps(r: dict) -> float:
@@ -387,6 +397,12 @@ def main() -> None:
                     text.append(f"- {name}: drafts taken from the learned drafter {hs['learned']:,}, from the suffix "
                                 f"drafter {hs['suffix']:,} ({hs.get('learned_skipped', 0):,} without asking the "
                                 f"learned one), neither drafted {hs['none']:,}")
+                ps = r.get("process")
+                if ps and name.startswith("specdec-null"):  # where a slower null after other systems may come from
+                    text.append(f"- {name}: process after it: {ps['gc_tracked_objects']:,} GC-tracked objects, "
+                                f"{len(ps['threads'])} threads, {ps['child_processes']} child processes, CUDA device "
+                                f"allocations {ps.get('cuda_num_device_alloc')}, allocator retries "
+                                f"{ps.get('cuda_num_alloc_retries')}")
                 ds = r.get("drafter_stats")
                 if ds:
                     text.append(f"- {name}: propose graphs {ds['graph_proposes']:,}/"

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import json
 import platform
 import pstats
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -40,3 +42,34 @@ def top_functions(profile, n: int) -> str:
     buf = io.StringIO()
     pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(n)
     return buf.getvalue().strip()
+
+
+def process_state() -> dict:
+    """What a compile may leave behind in the process."""
+    try:
+        import psutil
+
+        children = len(psutil.Process().children(recursive=True))
+    except ImportError:  # optional: counted only where psutil is installed
+        children = None
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return {"threads": sorted(t.name for t in threading.enumerate()), "child_processes": children,
+            "torch_threads": torch.get_num_threads(), "gc_counts": gc.get_count(), "gc_threshold": gc.get_threshold(),
+            "function_modes": [type(m).__name__ for m in _get_current_function_mode_stack()],
+            "dispatch_modes": [type(m).__name__ for m in _get_current_dispatch_mode_stack()],
+            "profile_hook": repr(sys.getprofile()), "trace_hook": repr(sys.gettrace()),
+            "grad_enabled": torch.is_grad_enabled(), "gc_tracked_objects": len(gc.get_objects()),
+            "gc_collections": [g["collections"] for g in gc.get_stats()], "gc_frozen": gc.get_freeze_count(),
+            **cuda_allocator()}
+
+
+def cuda_allocator() -> dict:
+    """The caching allocator's counters (does a compile leave it allocating from the driver each step?)."""
+    if not torch.cuda.is_available():
+        return {}
+    st = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "segment.all.current",
+            "allocation.all.current", "reserved_bytes.all.current")
+    return {f"cuda_{k}": st.get(k) for k in keys}
