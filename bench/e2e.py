@@ -402,7 +402,7 @@ def main() -> None:
                     text.append(f"- {name}: process after it: {ps['gc_tracked_objects']:,} GC-tracked objects, "
                                 f"{len(ps['threads'])} threads, {ps['child_processes']} child processes, CUDA device "
                                 f"allocations {ps.get('cuda_num_device_alloc')}, allocator retries "
-                                f"{ps.get('cuda_num_alloc_retries')}")
+                                f"{ps.get('cuda_num_alloc_retries')}, alive {ps.get('alive')}")
                 ds = r.get("drafter_stats")
                 if ds:
                     text.append(f"- {name}: propose graphs {ds['graph_proposes']:,}/"
