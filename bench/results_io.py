@@ -59,15 +59,16 @@ def process_state() -> dict:
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    objects = gc.get_objects()
-
+    objects = gc.get_objects()  # holds this frame, which holds it: cleared below, or every object lives to the next GC
+    alive = {name: sum(type(o).__name__ == name for o in objects) for name in ALIVE_TYPES}
+    n_objects = len(objects)
+    objects.clear()
     return {"threads": sorted(t.name for t in threading.enumerate()), "child_processes": children,
             "torch_threads": torch.get_num_threads(), "gc_counts": gc.get_count(), "gc_threshold": gc.get_threshold(),
             "function_modes": [type(m).__name__ for m in _get_current_function_mode_stack()],
             "dispatch_modes": [type(m).__name__ for m in _get_current_dispatch_mode_stack()],
             "profile_hook": repr(sys.getprofile()), "trace_hook": repr(sys.gettrace()),
-            "grad_enabled": torch.is_grad_enabled(), "gc_tracked_objects": len(objects),
-            "alive": {name: sum(type(o).__name__ == name for o in objects) for name in ALIVE_TYPES},
+            "grad_enabled": torch.is_grad_enabled(), "gc_tracked_objects": n_objects, "alive": alive,
             "gc_collections": [g["collections"] for g in gc.get_stats()], "gc_frozen": gc.get_freeze_count(),
             **cuda_allocator()}
 
