@@ -45,6 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results_io import process_state  # noqa: E402 (bench/, the script's own folder)
+
 from specdec import SamplingParams, SpecEngine  # noqa: E402
 from specdec.drafters import make_drafter  # noqa: E402
 from specdec.prompts import humaneval_prompts, parse_range  # noqa: E402
@@ -185,16 +187,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
                                   "compile_s_untimed": compile_s}} if dstats else {}),
             **({"cprofile": profile} if profile else {}),
-            "process": _process_state()}
-
-
-def _process_state() -> dict:
-    """The process after the timed run (what earlier systems left: GC-tracked objects, threads,
-    child processes, the CUDA caching allocator's counters): bench/results_io.process_state."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from results_io import process_state
-
-    return process_state()
+            "process": process_state()}  # what earlier systems left: GC objects, threads, allocator, engines
 
 
 def _tps(r: dict) -> float:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from specdec.config import GREEDY_BELOW
 from specdec.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -104,11 +105,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         ``[n, vocab]`` fp32 probabilities; every row sums to 1.
 
     Raises:
-        ConfigError: ``params`` is greedy (temperature below 1e-5: greedy decoding uses argmax).
+        ConfigError: ``params`` is greedy (temperature below ``GREEDY_BELOW``: greedy decoding uses argmax).
     """
     if params.greedy:
-        raise ConfigError(f"logits_to_probs needs a sampling temperature (>= 1e-5), got {params.temperature!r}; "
-                          "greedy decoding uses argmax")
+        raise ConfigError(f"logits_to_probs needs a sampling temperature (>= {GREEDY_BELOW}), "
+                          f"got {params.temperature!r}; greedy decoding uses argmax")
     z = logits.float() / params.temperature  # [n, vocab]
     n, vocab = z.shape
     if 0 < params.top_k < vocab or params.top_p < 1.0:
