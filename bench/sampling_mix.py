@@ -162,12 +162,17 @@ def summarise(rounds: dict[tuple[str, str], list[dict]]) -> dict[tuple[str, str]
     return out
 
 
+def _per_request(r: dict) -> float:
+    """Milliseconds per request-step: a step's time over the requests it verified."""
+    return r["ms_per_step"] / r["requests_per_step"]
+
+
 def report(header: str, res: dict[tuple[str, str], dict], drafters: list[str], done: bool) -> str:
     text = [header, "",
             "| drafter | mix | tokens/s | ms / step | step vs all-greedy | mean accepted length | requests / step "
-            "| ms / step: forward / draft / verify / host | greedy rows = all-greedy | equal to null: greedy rows "
-            "| equal to null: sampled rows |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| ms per request-step vs all-greedy | ms / step: forward / draft / verify / host "
+            "| greedy rows = all-greedy | equal to null: greedy rows | equal to null: sampled rows |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def frac(pair):
         return f"{pair[0]}/{pair[1]}" if pair[1] else "-"
@@ -185,13 +190,15 @@ def report(header: str, res: dict[tuple[str, str], dict], drafters: list[str], d
             p = r["per_step_ms"]
             brk = f"{p['forward']:.3f} / {p['draft']:.3f} / {p['verify']:.3f} / {p['host']:.3f}"
             greedy = res.get((drafter, "greedy"))
+            # mixes run different numbers of requests per step (sampled requests end at other lengths)
+            per_req = (f"{_per_request(r) / _per_request(greedy):.2f}x" if greedy else "-")
             same_greedy = frac(equal_rows(r, greedy, False)) if greedy and mix != "greedy" else "-"
             null = res.get(("null", mix))
             to_null_g = frac(equal_rows(r, null, False)) if null and drafter != "null" else "-"
             to_null_s = frac(equal_rows(r, null, True)) if null and drafter != "null" else "-"
             text.append(f"| {drafter} | {mix} | {r['tokens_per_s']:.1f} | {ms} | {ratio} | "
-                        f"{r['mean_accepted_length']:.2f} | {r['requests_per_step']:.1f} | {brk} | {same_greedy} | "
-                        f"{to_null_g} | {to_null_s} |")
+                        f"{r['mean_accepted_length']:.2f} | {r['requests_per_step']:.1f} | {per_req} | {brk} | "
+                        f"{same_greedy} | {to_null_g} | {to_null_s} |")
     text.append("")
     if not done:
         text.append("(incomplete: the run was still going)")
