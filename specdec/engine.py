@@ -23,7 +23,7 @@ import torch
 
 from specdec.attention.selector import get_backend
 from specdec.config import EngineConfig, SamplingParams, engine_config
-from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, NullDrafter, check_hooks
+from specdec.drafters.base import EMPTY_DRAFT, DeviceIds, Draft, Drafter, NullDrafter, check_hooks, on_device, to_host
 from specdec.errors import (ConfigError, EngineClosedError, InvalidRequestError,
                             PromptTooLongError, UnknownRequestError, VocabMismatchError)
 from specdec.kvcache import KVCacheManager, KVPool, num_pages_for_budget, pages_for
@@ -482,7 +482,10 @@ class SpecEngine:
                     drafts[s.req_id] = Draft()
                     self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
         out = [drafts.get(s.req_id, EMPTY_DRAFT) for s in plan.generation]
-        if self.config.draft_length == "confidence" and any(d.confidence for d in out):
+        cut = self.config.draft_length == "confidence"
+        if any(on_device(d) is not None for d in out) and (cut or not all(s.params.greedy for s in plan.generation)):
+            out = [to_host(d) for d in out]  # the cut and sampled rows' coupling read them on the host
+        if cut and any(d.confidence for d in out):
             out = self._cut_drafts(out)
         self.timings["draft_s"] += time.perf_counter() - t0
         return out
@@ -600,6 +603,7 @@ class SpecEngine:
         or sampled, keeps its drafts up to the first that differs from the target's token
         (:func:`specdec.verify.verify_chains`)."""
         t0 = time.perf_counter()
+        plan.drafts = [to_host(d) for d in plan.drafts]  # drafts left on the device: copied by now
         emitted = verify_chains(plan.result.argmax, plan.row_starts, plan.drafts)
         self.timings["verify_s"] += time.perf_counter() - t0
         return emitted
@@ -760,6 +764,8 @@ def _valid_draft(d, max_tokens: int, budget: int, vocab_size: int) -> Draft:
         raise ValueError(f"a draft must be a Draft, got {type(d).__name__}")
     if len(d) > max_tokens:
         raise ValueError(f"draft of {len(d)} tokens, asked for at most {max_tokens}")
+    if isinstance(d.token_ids, DeviceIds):
+        return _valid_device_draft(d, budget, vocab_size)
     try:
         ids = tuple(operator.index(t) for t in d.token_ids if not isinstance(t, bool))
     except TypeError:
@@ -784,6 +790,31 @@ def _valid_draft(d, max_tokens: int, budget: int, vocab_size: int) -> Draft:
         ids, probs = ids[:budget], None if probs is None else probs[:budget]
         conf = None if conf is None else conf[:budget]
     return Draft(ids, probs, conf)
+
+
+def _valid_device_draft(d: Draft, budget: int, vocab_size: int) -> Draft:
+    """:func:`_valid_draft` for a draft whose tokens are still on the device (their ids were
+    clamped into the vocabulary there, see :class:`~specdec.drafters.base.DraftsOnDevice`):
+    only what the host knows is checked, and the cut to ``budget`` keeps them there."""
+    n = len(d)
+    probs = d.probs
+    if probs is not None and (not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (n, vocab_size)):
+        raise ValueError(f"draft probs must be None or a tensor [{n}, {vocab_size}], got "
+                         f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__}")
+    conf = d.confidence
+    if conf is not None and not isinstance(conf, DeviceIds):
+        try:
+            conf = tuple(float(c) for c in conf if not isinstance(c, bool))
+        except (TypeError, ValueError):
+            conf = ()
+        if len(conf) != n or not all(0.0 <= c <= 1.0 for c in conf):
+            raise ValueError(f"draft confidence must be None or {n} numbers in [0, 1], got {d.confidence!r}")
+    elif conf is not None and len(conf) != n:
+        raise ValueError(f"draft confidence must be None or {n} numbers in [0, 1], got {len(conf)}")
+    if n <= budget and conf is d.confidence:
+        return d
+    return Draft(d.token_ids[:budget], None if probs is None else probs[:budget],
+                 None if conf is None else conf[:budget])
 
 
 def _progress(total: int):

@@ -39,6 +39,9 @@ class StepInput:
         rows: token rows whose logits verification reads, in order.
         sampling: the rows of sampled requests and how to sample them; ``None`` when
             every request is greedy (the argmax is the token of every row).
+        draft_source: drafted tokens still on the device (``DraftsOnDevice.flat``, int64), or
+            ``None``: an input id ``-1 - i`` stands for its ``i``-th token, written into the step's
+            input on the device (no host synchronisation between a propose and the step).
     """
 
     input_ids: list[int]
@@ -48,6 +51,7 @@ class StepInput:
     generation: list[tuple[int, int, tuple[int, ...]]]
     rows: list[int]
     sampling: RowSampling | None = None
+    draft_source: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -302,6 +306,8 @@ class ModelRunner:
             ids = ids_from[: len(step.input_ids)].to(device=dev, dtype=torch.long)
         else:
             ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+            if step.draft_source is not None:
+                take_drafts_(ids, step.draft_source)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         layer_ids = self.hidden_layer_ids
         with torch.inference_mode():
@@ -351,6 +357,8 @@ class ModelRunner:
         if ids_from is not None:
             n = len(step.input_ids)
             g.tokens_dev[0, :n].copy_(ids_from[:n])
+        elif step.draft_source is not None:
+            take_drafts_(g.tokens_dev[0], step.draft_source)
 
     def _capture(self, key: GraphKey, backend, step: StepInput, ids_from: torch.Tensor | None = None,
                  collect: bool = True) -> _Captured:
@@ -390,3 +398,11 @@ class ModelRunner:
         self.stats["graphs_captured"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0
         return g
+
+
+def take_drafts_(ids: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Replace, in place, every input id ``-1 - i`` of ``ids`` by ``source[i]`` (the drafted tokens
+    a propose left on the device, ``StepInput.draft_source``): device work only, queued after the
+    propose that wrote ``source``, so the host never waits for it."""
+    ids.copy_(torch.where(ids < 0, source.take((-1 - ids).clamp_(min=0)), ids))
+    return ids

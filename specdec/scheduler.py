@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdec.drafters.base import EMPTY_DRAFT, Draft
+from specdec.drafters.base import EMPTY_DRAFT, Draft, on_device
 from specdec.errors import ConfigError, PoolExhaustedError
 from specdec.kvcache.manager import KVCacheManager
 from specdec.kvcache.pool import LayerSpec
@@ -235,8 +235,15 @@ class Scheduler:
         plan.drafts = [EMPTY_DRAFT] * len(plan.context) + list(drafts)
         ids, positions, slots, ctx, gen, rows = [], [], [], [], [], []
         sampling = RowSampling()  # the sampled rows; greedy rows take the argmax
+        source = None  # drafts left on the device (one propose's): the step reads them there
         for i, (seq, draft) in enumerate(zip(plan.requests, plan.drafts)):
-            fed = seq.tokens[seq.num_cached:] + list(draft.token_ids)
+            src = on_device(draft)
+            if src is not None and not src.fetched and source in (None, src) and seq.params.greedy:
+                # -1 - i stands for the propose's i-th token (StepInput.draft_source)
+                source, at = src, draft.token_ids.start
+                fed = seq.tokens[seq.num_cached:] + [-1 - j for j in range(at, at + len(draft))]
+            else:
+                fed = seq.tokens[seq.num_cached:] + list(draft.token_ids)
             start, stop = seq.num_cached, seq.num_cached + len(fed)
             plan.fed.append(len(fed))
             plan.token_starts.append(len(ids))
@@ -251,7 +258,8 @@ class Scheduler:
             slots += self.manager.slots(seq.req_id, start, stop)
             (ctx if i < len(plan.context) else gen).append(
                 (len(fed), stop, tuple(self.manager.page_table(seq.req_id))))
-        plan.inputs = StepInput(ids, positions, slots, ctx, gen, rows, sampling or None)
+        plan.inputs = StepInput(ids, positions, slots, ctx, gen, rows, sampling or None,
+                                None if source is None else source.flat)
         return plan
 
     def plan_ahead(self, plan: StepPlan) -> StepPlan | None:

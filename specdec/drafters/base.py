@@ -14,6 +14,7 @@ never branches on a drafter's class or name.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
@@ -35,7 +36,9 @@ class Draft:
     is one the engine reads.
 
     Attributes:
-        token_ids: drafted token ids, in proposal order. ``[k]``.
+        token_ids: drafted token ids, in proposal order. ``[k]``. A drafter on a GPU may leave
+            them on the device (a :class:`DeviceIds`, from :class:`DraftsOnDevice`): the engine
+            then feeds them to the target without waiting for them.
         probs: the drafter's distribution each token was sampled from,
             ``[k, vocab_size]``; ``None`` means deterministic (one-hot q).
         confidence: each token's probability of being accepted given that the tokens before
@@ -53,6 +56,132 @@ class Draft:
 
 
 EMPTY_DRAFT = Draft()
+
+
+class DraftsOnDevice:
+    """One propose's drafted tokens (and confidences) left on the device, so that the target's
+    step can read them there: no host synchronisation between the propose and the step.
+
+    The engine writes the tokens into the step's input on the device (``StepInput.draft_source``)
+    and reads them on the host only after the step, through :meth:`host`: copies to pinned host
+    memory are queued when the object is made (after the propose, before the step), so once the
+    step has been waited for they have landed. A consumer that needs the values before the step
+    (a confidence cut, a sampled request's coupling) calls :meth:`host` too: that waits.
+
+    Args:
+        tokens: ``[rows, width]`` integer token ids on the device; kept as int64, clamped to
+            ``[0, vocab_size)`` (an id out of range then fails verification instead of reading
+            outside the embedding).
+        confidence: ``[rows, width]`` per-token acceptance probabilities, or ``None``.
+        vocab_size: the target's vocabulary size.
+        host_buffer: pinned int64 host memory of at least ``rows * width`` elements (and a float32
+            one for the confidences) the drafter reuses between proposes; ``None``: allocated here.
+    """
+
+    __slots__ = ("flat", "width", "confidence", "_tokens_host", "_conf_host", "copied", "_host")
+
+    def __init__(self, tokens: "torch.Tensor", confidence: "torch.Tensor | None", vocab_size: int,
+                 host_buffer: "torch.Tensor | None" = None, conf_buffer: "torch.Tensor | None" = None):
+        import torch
+
+        rows, self.width = tokens.shape
+        #: ``[rows * width]`` int64, contiguous: what the step's input gathers from
+        self.flat = tokens.to(torch.long).clamp(0, vocab_size - 1).reshape(-1)
+        self.confidence = None if confidence is None else confidence.float().reshape(-1)
+        cuda = self.flat.is_cuda
+        n = self.flat.numel()
+        if host_buffer is None or host_buffer.numel() < n:
+            host_buffer = torch.empty(n, dtype=torch.long, pin_memory=cuda)
+        self._tokens_host = host_buffer[:n]
+        self._tokens_host.copy_(self.flat, non_blocking=cuda)
+        self._conf_host = None
+        if self.confidence is not None:
+            if conf_buffer is None or conf_buffer.numel() < n:
+                conf_buffer = torch.empty(n, dtype=torch.float32, pin_memory=cuda)
+            self._conf_host = conf_buffer[:n]
+            self._conf_host.copy_(self.confidence, non_blocking=cuda)
+        #: a CUDA event after the host copies (``None`` on the CPU, where they are done)
+        self.copied = None
+        if cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        self._host = None
+
+    def host(self) -> "tuple[list[int], list[float] | None]":
+        """The tokens (and confidences) on the host, flat (``row * width + j``); waits for their
+        copy (only the propose's work, or nothing if the step was already waited for)."""
+        if self._host is None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            self._host = (self._tokens_host.tolist(),
+                          None if self._conf_host is None else self._conf_host.tolist())
+        return self._host
+
+    @property
+    def fetched(self) -> bool:
+        """Whether :meth:`host` has run (its values are then read without waiting)."""
+        return self._host is not None
+
+    def ids(self, row: int, n: int) -> "DeviceIds":
+        """Row ``row``'s first ``n`` tokens as a lazy sequence (``Draft.token_ids``)."""
+        return DeviceIds(self, row * self.width, n, False)
+
+    def confidences(self, row: int, n: int) -> "DeviceIds | None":
+        """Row ``row``'s first ``n`` confidences as a lazy sequence, or ``None`` without them."""
+        return None if self.confidence is None else DeviceIds(self, row * self.width, n, True)
+
+
+class DeviceIds(_SequenceABC):
+    """Part of a :class:`DraftsOnDevice`: ``n`` values from flat index ``start``, token ids (or
+    confidences, ``conf``). Its length and prefixes need nothing from the device; reading a value
+    waits for the copy (:meth:`DraftsOnDevice.host`)."""
+
+    __slots__ = ("source", "start", "n", "conf")
+
+    def __init__(self, source: DraftsOnDevice, start: int, n: int, conf: bool):
+        self.source, self.start, self.n, self.conf = source, start, n, conf
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1):  # a prefix: still lazy
+            stop = self.n if i.stop is None else max(0, min(self.n, i.stop if i.stop >= 0 else self.n + i.stop))
+            return DeviceIds(self.source, self.start, stop, self.conf)
+        return self.values()[i]
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def values(self) -> tuple:
+        """The values on the host (waits for their copy)."""
+        ids, conf = self.source.host()
+        return tuple((conf if self.conf else ids)[self.start:self.start + self.n])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _SequenceABC) and tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        what = "confidences" if self.conf else "token ids"
+        if not self.source.fetched:
+            return f"DeviceIds({self.n} {what} on the device)"
+        return f"DeviceIds({self.values()!r})"
+
+
+def on_device(draft: Draft) -> DraftsOnDevice | None:
+    """The :class:`DraftsOnDevice` ``draft``'s tokens are still on, or ``None`` (host tokens)."""
+    ids = draft.token_ids
+    return ids.source if isinstance(ids, DeviceIds) else None
+
+
+def to_host(draft: Draft) -> Draft:
+    """``draft`` with its tokens and confidences as host tuples (waits for them if on the device)."""
+    if on_device(draft) is None and not isinstance(draft.confidence, DeviceIds):
+        return draft
+    conf = draft.confidence
+    return Draft(tuple(draft.token_ids), draft.probs, None if conf is None else tuple(conf))
 
 
 class Drafter:

@@ -41,7 +41,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from specdec.capture import capture_graph
-from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, register_drafter
+from specdec.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftsOnDevice, register_drafter
 from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, RopeTable, block_mask, draft_from_hidden,
                                     output_slots)
 from specdec.errors import CheckpointError, ConfigError, InvalidRequestError
@@ -109,6 +109,12 @@ class BlockDrafter(Drafter):
             compiles that failed (the drafter then runs eagerly). ``None`` (default): on when
             :meth:`bind` finds the target on CUDA (1.2-1.8x cheaper proposes on the H200,
             BENCHMARKS.md), off on the CPU.
+        device_drafts: leave the drafted tokens (and confidences) on the device
+            (:class:`~specdec.drafters.base.DraftsOnDevice`): the engine feeds them to the target's
+            step there, so the host launches the step while the propose still runs, and reads
+            them after the step. ``None`` (default): on when :meth:`bind` finds the target on
+            CUDA, off on the CPU (where nothing runs ahead of the host); an attribute, may be
+            changed between calls.
     """
 
     reads_helix_sharded_ctx_pages = False
@@ -119,7 +125,7 @@ class BlockDrafter(Drafter):
     default_checkpoint: str | None = None
 
     def __init__(self, net: BlockDrafterNet | str | Path | None = None, cuda_graphs: bool = True,
-                 torch_compile: bool | None = None):
+                 torch_compile: bool | None = None, device_drafts: bool | None = None):
         if net is None:
             if self.default_checkpoint is None:
                 raise ConfigError(f"{type(self).__name__} needs a network or a checkpoint path (net=...)")
@@ -143,6 +149,11 @@ class BlockDrafter(Drafter):
         self._graphs: dict[tuple[int, int, bool], _ProposeGraph] = {}  # (requests, keys, compiled)
         self._compiled = None  # the compiled _draft, made on first use
         self.torch_compile = torch_compile
+        self.device_drafts = device_drafts
+        self._out_buffers: list = [None, None]  # pinned host buffers of device drafts, used in turn
+        self._out_turn = 0
+        self._timing = None  # (start, end) CUDA events of the last propose with device drafts
+        self._device_s: float | None = None
         #: pad shapes into buckets (set at bind: True on CUDA); tests may set it on the CPU
         self.pad_shapes = False
         self.stats = {"graph_proposes": 0, "eager_proposes": 0, "graphs_captured": 0, "capture_s": 0.0,
@@ -160,9 +171,9 @@ class BlockDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True,
-                        torch_compile: bool | None = None) -> "BlockDrafter":
+                        torch_compile: bool | None = None, device_drafts: bool | None = None) -> "BlockDrafter":
         """Load a shipped drafter by name (e.g. ``"smollm2-135m-dflash"``) or a checkpoint directory
-        (``cuda_graphs``, ``torch_compile``: as in the constructor).
+        (``cuda_graphs``, ``torch_compile``, ``device_drafts``: as in the constructor).
 
         Raises:
             CheckpointError: neither a shipped name nor a checkpoint directory.
@@ -174,7 +185,7 @@ class BlockDrafter(Drafter):
             shipped = sorted(p.name for p in SHIPPED_DIR.iterdir()) if SHIPPED_DIR.is_dir() else []
             raise CheckpointError(f"drafter must be one of {shipped} or a checkpoint directory, got {str(name_or_path)!r}")
         net = cls.net_class.load(path)
-        return cls(net, cuda_graphs=cuda_graphs, torch_compile=torch_compile)
+        return cls(net, cuda_graphs=cuda_graphs, torch_compile=torch_compile, device_drafts=device_drafts)
 
     expected_shift: int | None = None
 
@@ -191,6 +202,19 @@ class BlockDrafter(Drafter):
             raise ConfigError(f"torch_compile must be True, False or None (on for CUDA targets), got {value!r}")
         self._torch_compile = value
         self._compile_auto = value is None
+
+    @property
+    def device_drafts(self) -> bool:
+        """Whether proposes leave their drafts on the device (see the class doc). Set to ``None``,
+        it follows the device of the target bound next (on for CUDA); until a bind it reads ``False``."""
+        return bool(self._device_drafts)
+
+    @device_drafts.setter
+    def device_drafts(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"device_drafts must be True, False or None (on for CUDA targets), got {value!r}")
+        self._device_drafts = value
+        self._device_drafts_auto = value is None
 
     # -- hooks -------------------------------------------------------------------
     def kv_layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -217,6 +241,8 @@ class BlockDrafter(Drafter):
         self.pad_shapes = target.device.type == "cuda"
         if self._compile_auto:
             self._torch_compile = target.device.type == "cuda"
+        if self._device_drafts_auto:
+            self._device_drafts = target.device.type == "cuda"
         self._compiled = None  # its first run reads the new target's embedding / LM head products afresh
         self._pending.clear()
         self._defer, self._ctx_stage, self._section = 0, None, 0
@@ -358,7 +384,8 @@ class BlockDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, req_ids: Sequence[str], max_tokens: int) -> list[Draft]:
         """Draft up to ``max_tokens`` tokens for every request: one network pass over the whole
-        batch, one host-to-device copy, one synchronisation (the drafted tokens)."""
+        batch, one host-to-device copy; with ``device_drafts`` the drafts stay on the device (no
+        synchronisation), else one synchronisation (the drafted tokens)."""
         if self.kv is None:
             raise ConfigError("BlockDrafter.propose before bind(): build a SpecEngine with this drafter")
         width = min(max_tokens, self.config.draft_width)
@@ -366,6 +393,13 @@ class BlockDrafter(Drafter):
             return [EMPTY_DRAFT for _ in req_ids]
         ctx_lens = [self._ctx_len[r] for r in req_ids]
         n, cols = len(req_ids), max(1, max(ctx_lens))
+        timed = self.device_drafts and self._embed.is_cuda
+        if timed:
+            self._read_timing()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            self._timing = self._device_s = None
         if cols + self.config.block_size > self._rope.length:
             self._make_tables(cols + self.config.block_size)
         rows = n
@@ -381,7 +415,13 @@ class BlockDrafter(Drafter):
             self.stats["graph_proposes"] += 1
             tokens, conf = self._replay(packed, cols)
             tokens, conf = tokens[:, :width], None if conf is None else conf[:, :width]
-        if conf is None:
+        if self.device_drafts and getattr(self, "_shard", None) is None:  # no synchronisation: the engine feeds them to the step on the device
+            out = self._on_device(tokens[:n], None if conf is None else conf[:n], width)
+            if timed:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._timing = (start, end)
+        elif conf is None:
             out = [Draft(tuple(t)) for t in tokens[:n].tolist()]
         else:
             both = torch.cat([tokens[:n].float(), conf[:n].float()], 1).tolist()  # one sync (ids < 2**24: exact)
@@ -389,6 +429,39 @@ class BlockDrafter(Drafter):
         for r in req_ids:  # their staged writes are in the cache now
             self._pending.pop(r, None)
         return out
+
+    def _read_timing(self) -> None:
+        if self._timing is not None and self._timing[1].query():
+            self._device_s = self._timing[0].elapsed_time(self._timing[1]) / 1e3
+            self._timing = None
+
+    @property
+    def propose_device_s(self) -> float | None:
+        """Device seconds of the latest propose with ``device_drafts`` whose work has finished (its
+        copy in, network pass and copies out), or ``None`` before one has: with drafts left on
+        the device the host returns from :meth:`propose` before that work is done, so its cost
+        to a step is this, not the call's wall time."""
+        self._read_timing()
+        return self._device_s
+
+    def _on_device(self, tokens: torch.Tensor, conf: torch.Tensor | None, width: int) -> list[Draft]:
+        """Drafts whose tokens (and confidences) stay on the device (:class:`DraftsOnDevice`),
+        their host copies queued into pinned buffers used in turn (a buffer is reused once the
+        copy that last filled it has landed)."""
+        rows = tokens.shape[0]
+        turn = self._out_turn = self._out_turn ^ 1
+        buf = self._out_buffers[turn]
+        need = rows * width
+        if buf is None or buf[0].numel() < need:
+            pin = tokens.is_cuda
+            size = max(need, 256)
+            buf = (torch.empty(size, dtype=torch.long, pin_memory=pin),
+                   torch.empty(size, dtype=torch.float32, pin_memory=pin), None)
+        elif buf[2] is not None and not buf[2].query():
+            buf[2].synchronize()  # its last copy (done in practice: a step has been waited for since)
+        src = DraftsOnDevice(tokens, conf, self.vocab_size, buf[0], buf[1])
+        self._out_buffers[turn] = (buf[0], buf[1], src.copied)
+        return [Draft(src.ids(i, width), confidence=src.confidences(i, width)) for i in range(rows)]
 
     def capture_graphs(self, max_requests: int, max_context: int) -> int:
         """Capture the propose graph of every bucket of up to ``max_requests`` requests and
