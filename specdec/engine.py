@@ -484,10 +484,27 @@ class SpecEngine:
         out = [drafts.get(s.req_id, EMPTY_DRAFT) for s in plan.generation]
         cut = self.config.draft_length == "confidence"
         if any(on_device(d) is not None for d in out) and (cut or not all(s.params.greedy for s in plan.generation)):
-            out = [to_host(d) for d in out]  # the cut and sampled rows' coupling read them on the host
+            out = self._drafts_to_host(plan.generation, out)  # the cut and sampled rows' coupling read them here
         if cut and any(d.confidence for d in out):
             out = self._cut_drafts(out)
         self.timings["draft_s"] += time.perf_counter() - t0
+        return out
+
+    def _drafts_to_host(self, seqs: list[Sequence], drafts: list[Draft]) -> list[Draft]:
+        """``drafts`` with the values of those left on the device read on the host (waiting for them
+        if the step has not been waited for) and checked: a draft with an id outside the
+        vocabulary is dropped (the request decodes plainly this step; the device fed it clamped
+        ids, whose rows verification then does not read), a fault counted."""
+        out = []
+        for seq, d in zip(seqs, drafts):
+            if on_device(d) is not None:
+                d = to_host(d)
+                if d.token_ids and not 0 <= min(d.token_ids) <= max(d.token_ids) < self.target.vocab_size:
+                    bad = [t for t in d.token_ids if not 0 <= t < self.target.vocab_size][:5]
+                    self._drafter_fault(seq, "invalid_drafts", f"invalid draft (draft token ids must be in "
+                                        f"[0, {self.target.vocab_size}), got {bad}); dropped for this step")
+                    d = EMPTY_DRAFT
+            out.append(d)
         return out
 
     def _cut_drafts(self, drafts: list[Draft]) -> list[Draft]:
@@ -603,7 +620,7 @@ class SpecEngine:
         or sampled, keeps its drafts up to the first that differs from the target's token
         (:func:`specdec.verify.verify_chains`)."""
         t0 = time.perf_counter()
-        plan.drafts = [to_host(d) for d in plan.drafts]  # drafts left on the device: copied by now
+        plan.drafts = self._drafts_to_host(plan.requests, plan.drafts)  # those left on the device: copied by now
         emitted = verify_chains(plan.result.argmax, plan.row_starts, plan.drafts)
         self.timings["verify_s"] += time.perf_counter() - t0
         return emitted

@@ -61,9 +61,10 @@ def test_device_ids_know_their_length_and_prefixes_without_reading_the_device():
     assert src.confidences(0, 2) is not None and DraftsOnDevice(torch.zeros(1, 2), None, 64).confidences(0, 2) is None
 
 
-def test_ids_outside_the_vocabulary_are_clamped_on_the_device():
+def test_ids_outside_the_vocabulary_are_clamped_for_the_step_and_seen_as_they_are_on_the_host():
     src = DraftsOnDevice(torch.tensor([[-3, 70, 12]]), None, 64)
-    assert tuple(src.ids(0, 3)) == (0, 63, 12) and src.flat.tolist() == [0, 63, 12]
+    assert src.flat.tolist() == [0, 63, 12]  # what the step reads
+    assert tuple(src.ids(0, 3)) == (-3, 70, 12)  # what the engine checks
 
 
 @settings(max_examples=60, deadline=None)
@@ -177,11 +178,20 @@ class _OutOfRange(Drafter):
         return [Draft(src.ids(i, k)) for i in range(len(req_ids))]
 
 
-def test_device_drafts_out_of_the_vocabulary_are_verified_not_crashed(tiny):
-    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_device_drafts_out_of_the_vocabulary_are_dropped_not_crashed(tiny, sampled):
+    """Ids out of range left on the device: the step reads them clamped, the engine drops the
+    draft (counted, one warning per request), every output stays the null drafter's; with a
+    sampled request in the batch they are read (and dropped) before the step."""
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * 3
+    if sampled:
+        params[1] = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=5)
     _, base = _generate(tiny, NullDrafter(), PROMPTS[:3], params)
-    _, outs = _generate(tiny, _OutOfRange(), PROMPTS[:3], params)
+    with pytest.warns(RuntimeWarning, match="invalid draft"):
+        engine, outs = _generate(tiny, _OutOfRange(), PROMPTS[:3], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert engine.fault_stats["invalid_drafts"] > 0
+    assert sum(o.stats.drafted for o in outs) == 0  # every draft was dropped
 
 
 def test_device_drafts_setting_is_checked():

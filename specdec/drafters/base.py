@@ -69,9 +69,9 @@ class DraftsOnDevice:
     (a confidence cut, a sampled request's coupling) calls :meth:`host` too: that waits.
 
     Args:
-        tokens: ``[rows, width]`` integer token ids on the device; kept as int64, clamped to
-            ``[0, vocab_size)`` (an id out of range then fails verification instead of reading
-            outside the embedding).
+        tokens: ``[rows, width]`` integer token ids on the device. The step reads them clamped to
+            ``[0, vocab_size)`` (an id out of range cannot read outside the embedding); the host
+            reads them as they are, so the engine sees an id out of range and drops that draft.
         confidence: ``[rows, width]`` per-token acceptance probabilities, or ``None``.
         vocab_size: the target's vocabulary size.
         host_buffer: pinned int64 host memory of at least ``rows * width`` elements (and a float32
@@ -85,7 +85,7 @@ class DraftsOnDevice:
         import torch
 
         rows, self.width = tokens.shape
-        #: ``[rows * width]`` int64, contiguous: what the step's input gathers from
+        #: ``[rows * width]`` int64, contiguous, clamped into the vocabulary: what the step's input gathers from
         self.flat = tokens.to(torch.long).clamp(0, vocab_size - 1).reshape(-1)
         self.confidence = None if confidence is None else confidence.float().reshape(-1)
         cuda = self.flat.is_cuda
@@ -93,7 +93,7 @@ class DraftsOnDevice:
         if host_buffer is None or host_buffer.numel() < n:
             host_buffer = torch.empty(n, dtype=torch.long, pin_memory=cuda)
         self._tokens_host = host_buffer[:n]
-        self._tokens_host.copy_(self.flat, non_blocking=cuda)
+        self._tokens_host.view(rows, self.width).copy_(tokens, non_blocking=cuda)  # as drafted
         self._conf_host = None
         if self.confidence is not None:
             if conf_buffer is None or conf_buffer.numel() < n:
