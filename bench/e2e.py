@@ -146,8 +146,9 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
     if block is not drafter:
         drafter.stats.update({k: 0 for k in drafter.stats})
     if dstats:
-        for k in ("graph_proposes", "eager_proposes", "graphs_captured", "capture_s"):
-            dstats[k] = 0
+        for k in ("graph_proposes", "eager_proposes", "graphs_captured", "capture_s", "device_s", "device_timed"):
+            if k in dstats:
+                dstats[k] = 0
         dstats["eager_reasons"].clear()
     outs, t_total, batch_s = [], 0.0, []
     for i in range(0, len(prompt_ids), batch_size):
@@ -169,6 +170,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         _sync(args.device)
         prof.disable()
         profile = top_functions(prof, 30)
+    if dstats is not None and hasattr(block, "propose_device_s"):
+        block.propose_device_s  # noqa: B018 - takes the last propose's device time into dstats
     tokens = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.stats.accepted_lengths]
     steps = max(1, engine.timings["steps"])
@@ -406,6 +409,10 @@ def main() -> None:
                                 f"{ds['graph_proposes'] + ds['eager_proposes']:,} (captured in the timed run: "
                                 f"{ds['graphs_captured']}, {ds['capture_s']:.2f} s); compile before it "
                                 f"{ds['compile_s_untimed']:.1f} s")
+                    if ds.get("device_timed"):  # drafts left on the device: the propose's cost is its device time
+                        text.append(f"- {name}: propose on the device {1e3 * ds['device_s'] / ds['device_timed']:.3f} ms "
+                                    f"a propose, {1e3 * ds['device_s'] / max(1, r['steps']):.3f} ms a step "
+                                    f"({ds['device_timed']:,} proposes timed; the forward column includes it)")
             text += category_table(res, b)
             for name, r in res.items():
                 if r.get("cprofile"):

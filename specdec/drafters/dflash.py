@@ -157,7 +157,8 @@ class BlockDrafter(Drafter):
         #: pad shapes into buckets (set at bind: True on CUDA); tests may set it on the CPU
         self.pad_shapes = False
         self.stats = {"graph_proposes": 0, "eager_proposes": 0, "graphs_captured": 0, "capture_s": 0.0,
-                      "compile_s": 0.0, "compile_errors": 0, "eager_reasons": Counter()}
+                      "compile_s": 0.0, "compile_errors": 0, "eager_reasons": Counter(),
+                      "device_s": 0.0, "device_timed": 0}
         self._rope: RopeTable | None = None
         self._iota: torch.Tensor | None = None
         self._mempool = None
@@ -431,9 +432,12 @@ class BlockDrafter(Drafter):
         return out
 
     def _read_timing(self) -> None:
+        """Take the last timed propose's device seconds once its work is done (into ``stats``)."""
         if self._timing is not None and self._timing[1].query():
             self._device_s = self._timing[0].elapsed_time(self._timing[1]) / 1e3
             self._timing = None
+            self.stats["device_s"] += self._device_s
+            self.stats["device_timed"] += 1
 
     @property
     def propose_device_s(self) -> float | None:
