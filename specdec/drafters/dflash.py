@@ -458,7 +458,7 @@ class BlockDrafter(Drafter):
         need = rows * width
         if buf is None or buf[0].numel() < need:
             pin = tokens.is_cuda
-            size = max(need, 256)
+            size = max(need, MAX_PADDED_REQUESTS * self.config.draft_width)  # pinning anew is slow: once
             buf = (torch.empty(size, dtype=torch.long, pin_memory=pin),
                    torch.empty(size, dtype=torch.float32, pin_memory=pin), None)
         elif buf[2] is not None and not buf[2].query():
