@@ -89,7 +89,7 @@ class Bench:
     """One drafter bound to the target over its own pool, with N requests' contexts."""
 
     def __init__(self, name: str, target, n: int, ctx: int, tpb: int, seed: int):
-        self.d = BlockDrafter.from_pretrained(name)
+        self.d = BlockDrafter.from_pretrained(name, device_drafts=False)  # drafts read back: compared between paths
         self.target, self.rng = target, random.Random(seed)
         c = self.d.config
         self.width = len(c.target_layer_ids) * target.hidden_size
@@ -238,7 +238,8 @@ def engine_runs(target, name: str, n: int, ctx: int, new_tokens: int,
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rows, outs = [], {}
     for path in paths:
-        d = BlockDrafter.from_pretrained(name, cuda_graphs=path != "new-eager", torch_compile=path == "new+compiled")
+        d = BlockDrafter.from_pretrained(name, cuda_graphs=path != "new-eager", torch_compile=path == "new+compiled",
+                                         device_drafts=False)
         if path == "old":
             d.propose = lambda r, k, d=d: old_propose(d, r, k)
         pages = n * (-(-(ctx + ctx // 8 + new_tokens + 16) // 16) + 1)

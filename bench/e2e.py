@@ -158,6 +158,9 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         _sync(args.device)
         batch_s.append(time.perf_counter() - t0)
         t_total += batch_s[-1]
+    if dstats is not None and hasattr(block, "propose_device_s"):
+        block.propose_device_s  # noqa: B018 - takes the last propose's device time into dstats
+        dstats = {**dstats, "eager_reasons": dstats["eager_reasons"].copy()}  # the timed run's, not the cProfile pass's
     profile = None
     if args.cprofile:  # untimed: the host's functions over a second pass of the first prompts
         import cProfile
@@ -170,8 +173,6 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         _sync(args.device)
         prof.disable()
         profile = top_functions(prof, 30)
-    if dstats is not None and hasattr(block, "propose_device_s"):
-        block.propose_device_s  # noqa: B018 - takes the last propose's device time into dstats
     tokens = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.stats.accepted_lengths]
     steps = max(1, engine.timings["steps"])

@@ -482,13 +482,38 @@ class SpecEngine:
                     drafts[s.req_id] = Draft()
                     self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
         out = [drafts.get(s.req_id, EMPTY_DRAFT) for s in plan.generation]
+        out = self._device_drafts_fed(plan.generation, out)
         cut = self.config.draft_length == "confidence"
-        if any(on_device(d) is not None for d in out) and (cut or not all(s.params.greedy for s in plan.generation)):
-            out = self._drafts_to_host(plan.generation, out)  # the cut and sampled rows' coupling read them here
         if cut and any(d.confidence for d in out):
             out = self._cut_drafts(out)
         self.timings["draft_s"] += time.perf_counter() - t0
         return out
+
+    def _device_drafts_fed(self, seqs: list[Sequence], drafts: list[Draft]) -> list[Draft]:
+        """Which drafts left on the device the step reads there: those of one propose (the first
+        whose values the host has not read), for greedy requests, when no confidence cut reads
+        their confidences. Every other one is read and checked on the host now
+        (:meth:`_drafts_to_host`; it waits for its propose if not read yet), as
+        :meth:`Scheduler.pack` then feeds its values."""
+        cut = self.config.draft_length == "confidence"
+        source = None
+        keep = []
+        for seq, d in zip(seqs, drafts):
+            src = on_device(d)
+            ok = src is not None and not src.fetched and seq.params.greedy and source in (None, src)
+            ok = ok and not (cut and isinstance(d.confidence, DeviceIds))
+            if ok:
+                source = src
+            keep.append(ok or (src is None and not isinstance(d.confidence, DeviceIds)))
+        if all(keep):
+            return drafts
+        drafts = list(drafts)
+        for want_read in (True, False):  # then those of a propose just read for another request (now free)
+            todo = [i for i, k in enumerate(keep) if not k] if want_read else \
+                   [i for i, d in enumerate(drafts) if on_device(d) is not None and on_device(d).fetched]
+            for i, d in zip(todo, self._drafts_to_host([seqs[i] for i in todo], [drafts[i] for i in todo])):
+                drafts[i] = d
+        return drafts
 
     def _drafts_to_host(self, seqs: list[Sequence], drafts: list[Draft]) -> list[Draft]:
         """``drafts`` with the values of those left on the device read on the host (waiting for them
@@ -497,12 +522,16 @@ class SpecEngine:
         ids, whose rows verification then does not read), a fault counted."""
         out = []
         for seq, d in zip(seqs, drafts):
-            if on_device(d) is not None:
+            if on_device(d) is not None or isinstance(d.confidence, DeviceIds):
                 d = to_host(d)
+                what = ""
                 if d.token_ids and not 0 <= min(d.token_ids) <= max(d.token_ids) < self.target.vocab_size:
                     bad = [t for t in d.token_ids if not 0 <= t < self.target.vocab_size][:5]
-                    self._drafter_fault(seq, "invalid_drafts", f"invalid draft (draft token ids must be in "
-                                        f"[0, {self.target.vocab_size}), got {bad}); dropped for this step")
+                    what = f"draft token ids must be in [0, {self.target.vocab_size}), got {bad}"
+                elif d.confidence is not None and not all(0.0 <= c <= 1.0 for c in d.confidence):  # NaN fails too
+                    what = f"draft confidence must be numbers in [0, 1], got {d.confidence[:5]}"
+                if what:
+                    self._drafter_fault(seq, "invalid_drafts", f"invalid draft ({what}); dropped for this step")
                     d = EMPTY_DRAFT
             out.append(d)
         return out

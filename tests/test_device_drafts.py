@@ -9,6 +9,8 @@ mode) is at the end.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -65,6 +67,15 @@ def test_ids_outside_the_vocabulary_are_clamped_for_the_step_and_seen_as_they_ar
     src = DraftsOnDevice(torch.tensor([[-3, 70, 12]]), None, 64)
     assert src.flat.tolist() == [0, 63, 12]  # what the step reads
     assert tuple(src.ids(0, 3)) == (-3, 70, 12)  # what the engine checks
+
+
+def test_a_drafters_host_buffers_keep_each_proposes_values():
+    """A block drafter's device drafts share two host buffers, used in turn: a third propose
+    (several in one step: the engine's fallback to one propose per request) must not change
+    what the first one's drafts read."""
+    d = DFlashDrafter(net(0))
+    calls = [d._on_device(torch.full((2, 3), v), None, 3) for v in (11, 22, 33, 44)]
+    assert [tuple(c[1].token_ids) for c in calls] == [(11,) * 3, (22,) * 3, (33,) * 3, (44,) * 3]
 
 
 @settings(max_examples=60, deadline=None)
@@ -169,17 +180,100 @@ def test_the_hybrid_mixes_host_and_device_drafts(tiny):
     assert hybrid.stats["learned"] > 0 and hybrid.stats["suffix"] > 0  # both kinds in the run's steps
 
 
+class _Oracle(Drafter):
+    """Leaves on the device the null drafter's own continuation of each request, with one token
+    planted wrong at a place that differs per request and step (so a mix-up of rows, proposes or
+    buffers changes what is accepted); ``fail_batched``: a propose of several requests raises,
+    so the engine proposes once per request (several proposes in one step)."""
+
+    def __init__(self, continuations: dict, fail_batched: bool = False, read_first: bool = False):
+        self.continuations, self.fail_batched, self.read_first = continuations, fail_batched, read_first
+        self.seen: dict[str, list[int]] = {}
+        self.prompt: dict[str, tuple] = {}
+        self.steps = 0
+        self.sizes: list[int] = []  # requests of each propose that drafted
+
+    def start_request(self, req_id, prompt_token_ids):
+        self.prompt[req_id], self.seen[req_id] = tuple(prompt_token_ids), []
+
+    def on_accepted(self, req_id, token_ids):
+        self.seen[req_id] += list(token_ids)
+
+    def propose(self, req_ids, max_tokens):
+        if self.fail_batched and len(req_ids) > 1:
+            raise RuntimeError("batched propose unavailable")
+        self.steps += 1
+        self.sizes.append(len(req_ids))
+        k = max(1, min(max_tokens, 4))
+        rows = []
+        for r in req_ids:
+            rest = list(self.continuations[self.prompt[r]][len(self.seen[r]):]) + [0] * k
+            row = rest[:k]
+            bad = (len(self.seen[r]) + len(self.prompt[r]) + self.steps) % (k + 2)
+            if bad < k:
+                row[bad] = (row[bad] + 1) % VOCAB
+            rows.append(row)
+        src = DraftsOnDevice(torch.tensor(rows), None, VOCAB)
+        if self.read_first:
+            src.host()
+        return [Draft(src.ids(i, k)) for i in range(len(req_ids))]
+
+
+@pytest.mark.parametrize("fail_batched,read_first", [(False, False), (True, False), (False, True)])
+def test_device_drafts_of_each_request_are_its_own(tiny, fail_batched, read_first):
+    """Drafts that differ per request and mostly agree with the target: the engine verifies each
+    request's own, whether one propose drafts for the batch, one propose per request runs (the
+    fallback after a batched propose raised: several proposes in one step), or the values were
+    read on the host before the step."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    _, base = _generate(tiny, NullDrafter(), PROMPTS, params)
+    cont = {tuple(o.prompt_token_ids): tuple(o.token_ids) for o in base}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the batched propose's fault is warned about once
+        oracle = _Oracle(cont, fail_batched, read_first)
+        engine, outs = _generate(tiny, oracle, PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    accepted = sum(o.stats.accepted for o in outs)
+    assert accepted > 0.4 * sum(o.stats.drafted for o in outs) > 0  # mostly right drafts, verified as such
+    assert (max(oracle.sizes) == 1) == fail_batched  # one propose per request: several in a step
+
+
+class _Unsure(Drafter):
+    """Device drafts whose confidences are out of [0, 1] (NaN included)."""
+
+    def propose(self, req_ids, max_tokens):
+        k = min(max_tokens, 2)
+        src = DraftsOnDevice(torch.ones(len(req_ids), k, dtype=torch.long),
+                             torch.tensor([[float("nan"), 1.5]][0][:k]).repeat(len(req_ids), 1), VOCAB)
+        return [Draft(src.ids(i, k), confidence=src.confidences(i, k)) for i in range(len(req_ids))]
+
+
+def test_device_confidences_out_of_range_drop_the_draft(tiny):
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    _, base = _generate(tiny, NullDrafter(), PROMPTS[:2], params)
+    with pytest.warns(RuntimeWarning, match="confidence"):
+        engine, outs = _generate(tiny, _Unsure(), PROMPTS[:2], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert engine.fault_stats["invalid_drafts"] > 0 and sum(o.stats.drafted for o in outs) == 0
+
+
 class _OutOfRange(Drafter):
-    """Leaves drafts on the device whose ids fall outside the vocabulary."""
+    """Leaves drafts on the device whose ids fall outside the vocabulary (``read_first``: their
+    values already read on the host, as a hybrid reading their confidences does)."""
+
+    def __init__(self, read_first: bool = False):
+        self.read_first = read_first
 
     def propose(self, req_ids, max_tokens):
         k = min(max_tokens, 3)
         src = DraftsOnDevice(torch.tensor([[VOCAB + 5, -2, 3][:k]] * len(req_ids)), None, VOCAB)
+        if self.read_first:
+            src.host()
         return [Draft(src.ids(i, k)) for i in range(len(req_ids))]
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_device_drafts_out_of_the_vocabulary_are_dropped_not_crashed(tiny, sampled):
+@pytest.mark.parametrize("sampled,read_first", [(False, False), (True, False), (False, True)])
+def test_device_drafts_out_of_the_vocabulary_are_dropped_not_crashed(tiny, sampled, read_first):
     """Ids out of range left on the device: the step reads them clamped, the engine drops the
     draft (counted, one warning per request), every output stays the null drafter's; with a
     sampled request in the batch they are read (and dropped) before the step."""
@@ -188,7 +282,7 @@ def test_device_drafts_out_of_the_vocabulary_are_dropped_not_crashed(tiny, sampl
         params[1] = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=5)
     _, base = _generate(tiny, NullDrafter(), PROMPTS[:3], params)
     with pytest.warns(RuntimeWarning, match="invalid draft"):
-        engine, outs = _generate(tiny, _OutOfRange(), PROMPTS[:3], params)
+        engine, outs = _generate(tiny, _OutOfRange(read_first), PROMPTS[:3], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert engine.fault_stats["invalid_drafts"] > 0
     assert sum(o.stats.drafted for o in outs) == 0  # every draft was dropped
@@ -238,22 +332,44 @@ def test_gpu_propose_and_step_launch_without_a_synchronisation(tmp_path):
     engine.step()
     engine.step()
     real_propose, real_launch = engine._propose, engine._launch
-    checked = []
+    real_host, real_sync = DraftsOnDevice.host, torch.cuda.Event.synchronize
+    window, checked = [False], []
 
-    def strict(fn):
-        def run(plan):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(plan)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                checked.append(fn.__name__)
-        return run
+    def host(self):  # reading the drafts inside the window would wait for the propose
+        if window[0] and not self.fetched:
+            raise AssertionError("device drafts read between the propose and the step's launch")
+        return real_host(self)
 
-    engine._propose, engine._launch = strict(real_propose), strict(real_launch)
-    engine.step()
-    engine._propose, engine._launch = real_propose, real_launch
-    assert checked == ["_propose", "_launch"]
+    def sync(self):
+        if window[0]:
+            raise AssertionError("a CUDA event waited for between the propose and the step's launch")
+        return real_sync(self)
+
+    def propose(plan):  # the window: from the propose through pack to the launch of the target's forward
+        window[0] = True
+        torch.cuda.set_sync_debug_mode("error")
+        checked.append("_propose")
+        return real_propose(plan)
+
+    def launch(plan):
+        try:
+            assert plan.inputs.draft_source is not None and any(t < 0 for t in plan.inputs.input_ids)
+            return real_launch(plan)
+        finally:
+            window[0] = False
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append("_launch")
+
+    engine._propose, engine._launch = propose, launch
+    DraftsOnDevice.host, torch.cuda.Event.synchronize = host, sync
+    try:
+        for _ in range(3):
+            engine.step()
+    finally:
+        engine._propose, engine._launch = real_propose, real_launch
+        DraftsOnDevice.host, torch.cuda.Event.synchronize = real_host, real_sync
+        torch.cuda.set_sync_debug_mode("default")
+    assert checked == ["_propose", "_launch"] * 3
     while engine.has_unfinished():
         engine.step()
     outs = [engine.release(r) for r in list(engine._seqs)]

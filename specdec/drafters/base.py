@@ -67,6 +67,8 @@ class DraftsOnDevice:
     memory are queued when the object is made (after the propose, before the step), so once the
     step has been waited for they have landed. A consumer that needs the values before the step
     (a confidence cut, a sampled request's coupling) calls :meth:`host` too: that waits.
+    The host buffers belong to the drafter, which reuses them two proposes later (reading
+    these values out first, ``BlockDrafter._on_device``).
 
     Args:
         tokens: ``[rows, width]`` integer token ids on the device. The step reads them clamped to

@@ -10,8 +10,10 @@ the hooks below.
 ``propose`` packs everything it needs from the host into one integer array
 (block tokens, slot positions, context lengths, page tables), copies it to the
 device once, builds the gather index there, looks RoPE factors up in a table
-made at :meth:`BlockDrafter.bind`, and synchronises once, for the drafted
-tokens. On CUDA its shapes are padded into buckets (requests to a power of
+made at :meth:`BlockDrafter.bind`. On CUDA its drafts stay on the device
+(``device_drafts``): the engine feeds them to the target's step there and reads them
+after it, so nothing waits between the propose and the step; without it the propose
+synchronises once, for the drafted tokens. On CUDA its shapes are padded into buckets (requests to a power of
 two, context keys to a multiple of :data:`CTX_BUCKET`, padding masked out) so
 that they recur: attention plans are reused and each bucket's forward is
 captured once as a CUDA graph and replayed (``cuda_graphs``). On the CPU
@@ -87,6 +89,7 @@ class _ProposeGraph:
     graph: "torch.cuda.CUDAGraph | None" = None
     tokens: torch.Tensor | None = None  # [rows, draft_width] int64
     confidence: torch.Tensor | None = None  # [rows, draft_width] fp32, nets with a confidence head
+    copied: "torch.cuda.Event | None" = None  # after the last copy of ``host`` to ``dev``
 
 
 class BlockDrafter(Drafter):
@@ -246,6 +249,7 @@ class BlockDrafter(Drafter):
             self._device_drafts = target.device.type == "cuda"
         self._compiled = None  # its first run reads the new target's embedding / LM head products afresh
         self._pending.clear()
+        self._out_buffers, self._timing, self._device_s = [None, None], None, None
         self._defer, self._ctx_stage, self._section = 0, None, 0
         if getattr(kv, "scratch_slot", None) is not None:
             self._defer = c.block_size + 1  # a verify step accepts at most draft width + 1 positions
@@ -394,12 +398,9 @@ class BlockDrafter(Drafter):
             return [EMPTY_DRAFT for _ in req_ids]
         ctx_lens = [self._ctx_len[r] for r in req_ids]
         n, cols = len(req_ids), max(1, max(ctx_lens))
-        timed = self.device_drafts and self._embed.is_cuda
-        if timed:
-            self._read_timing()
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
+        on_device = self.device_drafts and getattr(self, "_shard", None) is None
+        timed = on_device and self._embed.is_cuda
+        if not timed:
             self._timing = self._device_s = None
         if cols + self.config.block_size > self._rope.length:
             self._make_tables(cols + self.config.block_size)
@@ -407,6 +408,11 @@ class BlockDrafter(Drafter):
         if self.pad_shapes and n <= MAX_PADDED_REQUESTS:  # shapes recur: plans and graphs are reused
             rows, cols = next_pow2(n), -(-cols // CTX_BUCKET) * CTX_BUCKET
         packed = self._pack(req_ids, ctx_lens, rows, cols)
+        if timed:  # from the copy in to the copies out; a propose that captures or compiles is not timed
+            self._read_timing()
+            one_off = self.stats["capture_s"] + self.stats["compile_s"]
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         why = self._why_eager(n)
         if why:
             self.stats["eager_proposes"] += 1
@@ -416,9 +422,9 @@ class BlockDrafter(Drafter):
             self.stats["graph_proposes"] += 1
             tokens, conf = self._replay(packed, cols)
             tokens, conf = tokens[:, :width], None if conf is None else conf[:, :width]
-        if self.device_drafts and getattr(self, "_shard", None) is None:  # no synchronisation: the engine feeds them to the step on the device
+        if on_device:  # no synchronisation: the engine feeds them to the step on the device
             out = self._on_device(tokens[:n], None if conf is None else conf[:n], width)
-            if timed:
+            if timed and self.stats["capture_s"] + self.stats["compile_s"] == one_off:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self._timing = (start, end)
@@ -450,21 +456,24 @@ class BlockDrafter(Drafter):
 
     def _on_device(self, tokens: torch.Tensor, conf: torch.Tensor | None, width: int) -> list[Draft]:
         """Drafts whose tokens (and confidences) stay on the device (:class:`DraftsOnDevice`),
-        their host copies queued into pinned buffers used in turn (a buffer is reused once the
-        copy that last filled it has landed)."""
+        their host copies queued into pinned buffers used in turn. Before a buffer is filled
+        again, the drafts that last used it are read out of it (:meth:`DraftsOnDevice.host`):
+        with one propose a step they were read already, or the step they belonged to has been
+        waited for (nothing waits); only several proposes in one step (the engine's fallback to
+        one propose per request) wait here."""
         rows = tokens.shape[0]
         turn = self._out_turn = self._out_turn ^ 1
         buf = self._out_buffers[turn]
         need = rows * width
-        if buf is None or buf[0].numel() < need:
-            pin = tokens.is_cuda
+        pin = tokens.is_cuda
+        if buf is None or buf[0].numel() < need or buf[0].is_pinned() != pin:
             size = max(need, MAX_PADDED_REQUESTS * self.config.draft_width)  # pinning anew is slow: once
             buf = (torch.empty(size, dtype=torch.long, pin_memory=pin),
                    torch.empty(size, dtype=torch.float32, pin_memory=pin), None)
-        elif buf[2] is not None and not buf[2].query():
-            buf[2].synchronize()  # its last copy (done in practice: a step has been waited for since)
+        elif buf[2] is not None and not buf[2].fetched:
+            buf[2].host()  # its values out of the buffer before it is overwritten
         src = DraftsOnDevice(tokens, conf, self.vocab_size, buf[0], buf[1])
-        self._out_buffers[turn] = (buf[0], buf[1], src.copied)
+        self._out_buffers[turn] = (buf[0], buf[1], src)
         return [Draft(src.ids(i, width), confidence=src.confidences(i, width)) for i in range(rows)]
 
     def capture_graphs(self, max_requests: int, max_context: int) -> int:
@@ -637,8 +646,12 @@ class BlockDrafter(Drafter):
         if g is None:
             g = self._capture(key, packed)
             return g.tokens, g.confidence
+        if g.copied is not None and not g.copied.query():
+            g.copied.synchronize()  # the last replay's copy in has read the pinned inputs (several proposes a step)
         g.host.copy_(packed)
         g.dev.copy_(g.host, non_blocking=True)
+        g.copied = torch.cuda.Event()
+        g.copied.record()
         g.graph.replay()
         return g.tokens, g.confidence
 

@@ -217,7 +217,10 @@ class HybridDrafter(Drafter):
         :attr:`step_s` (a gap of over ``IDLE_FACTOR`` steps is idle time, unless three come in a row)."""
         now = self._clock()
         if self._last_call is not None:
-            gap = max(now - self._last_call - self._last_learned_s, 0.0)
+            spent = self._last_learned_s
+            if spent:  # drafts left on the device: the propose cost the step its device time (done by now)
+                spent = max(spent, self._learned_device_s())
+            gap = max(now - self._last_call - spent, 0.0)
             if self.step_s is None or gap <= self.IDLE_FACTOR * self.step_s:
                 self.step_s, self._idle_run = self._average(self.step_s, gap), 0
             else:
@@ -226,6 +229,11 @@ class HybridDrafter(Drafter):
                     self.step_s, self._idle_run = gap, 0
         self._last_call, self._last_learned_s = now, 0.0
         self._steps += 1
+
+    def _learned_device_s(self) -> float:
+        """The learned drafter's latest finished propose's device seconds, where it leaves its
+        drafts on the device and times them (``propose_device_s``), else 0."""
+        return getattr(self.learned, "propose_device_s", None) or 0.0
 
     def _one_off_seconds(self) -> float:
         """Seconds the learned drafter has spent so far capturing graphs and compiling (its ``stats``)."""
@@ -299,7 +307,7 @@ class HybridDrafter(Drafter):
                     took = max(self._last_learned_s - (self._one_off_seconds() - spent), 0.0)
                     # drafts left on the device: the call returns before its device work is done,
                     # which costs the step that much (the latest finished propose's, a step behind)
-                    took = max(took, getattr(self.learned, "propose_device_s", None) or 0.0)
+                    took = max(took, self._learned_device_s())
                     self.learned_s = took if probe else self._average(self.learned_s, took)
                     mean = sum(learned_scores[i] for i in ask) / len(ask)
                     self.learned_mean = mean if probe else self._average(self.learned_mean, mean)
