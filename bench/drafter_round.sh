@@ -11,8 +11,8 @@
 #                                       # one call of at most 9.5 minutes
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
-#   bash bench/drafter_round.sh devdrafts # drafts left on the device: its GPU test, then e2e at batch 1 and 8 beside
-#                                         # the same drafters reading their drafts on the host (+hostdrafts)
+#   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
+#                                         # and 8 beside the same drafters reading their drafts back (the default)
 # Knobs: MAGPIE, CODE, GROUNDED (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
 # SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
 # for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs);
@@ -78,7 +78,7 @@ for part in "$@"; do
         | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -30 | tee "$OUT/gpu_tests_device_drafts.txt"
       timeout "${EVAL_TIMEOUT:-400}" python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 \
         --max-new-tokens 256 --batch-sizes "${BATCHES:-1,8}" --skip-hf --out "$OUT/e2e_device_drafts" \
-        --drafters null,suffix,dflash,dflash+hostdrafts,dspark,dspark+hostdrafts,hybrid,hybrid+dflash,hybrid+dflash+hostdrafts \
+        --drafters null,suffix,dflash,dflash+devdrafts,dspark,dspark+devdrafts,hybrid+dflash,hybrid+dflash+devdrafts \
         2>&1 | grep "^|\|^- " ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -209,9 +209,9 @@ ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": Fals
 DRAFTER_VARIANTS = {"compile": {"torch_compile": True}, "nocompile": {"torch_compile": False},
                     "cost": {"cost_aware": True},  # '+cost': the hybrid asks DSpark only where it pays (default)
                     "nocost": {"cost_aware": False},  # '+nocost': wherever DSpark could win
-                    # '+hostdrafts': drafts read on the host after each propose (a synchronisation) instead of
-                    # fed to the target's step on the device (the default on CUDA)
-                    "hostdrafts": {"device_drafts": False}}
+                    # '+devdrafts': drafts left on the device and fed to the target's step there (no
+                    # synchronisation after the propose); '+hostdrafts': read back after each propose (the default)
+                    "devdrafts": {"device_drafts": True}, "hostdrafts": {"device_drafts": False}}
 
 
 def _null_of(label: str, labels=()) -> str:
@@ -267,8 +267,9 @@ def main() -> None:
                          "to null+nopg); '+conf' cuts drafts by confidence; '+compile' / '+nocompile' run a block drafter's "
                          "propose through torch.compile or not (default: compiled on CUDA; e.g. dflash+nocompile); "
                          "'+cost' / '+nocost' make the hybrid cost-aware (the default) or not; '+dflash' gives "
-                         "the hybrid the shipped DFlash instead of DSpark (hybrid+dflash); '+hostdrafts' reads "
-                         "a block drafter's drafts on the host after each propose (default on CUDA: on the device)")
+                         "the hybrid the shipped DFlash instead of DSpark (hybrid+dflash); '+devdrafts' leaves a "
+                         "block drafter's drafts on the device for the target's step, '+hostdrafts' reads them "
+                         "back after each propose (the default)")
     ap.add_argument("--suffix-kwargs", default="{}",
                     help='more SuffixAutomatonDrafter arguments, JSON (e.g. \'{"match_len_factor": 16}\')')
     ap.add_argument("--suffix-corpus", default=None,

@@ -292,15 +292,16 @@ def test_device_drafts_setting_is_checked():
     with pytest.raises(ConfigError, match="device_drafts"):
         DFlashDrafter(net(0), device_drafts="yes")
     d = DFlashDrafter(net(0))
-    assert d.device_drafts is False  # None: decided at bind (CUDA on, CPU off)
+    assert d.device_drafts is False  # off by default (measured slower, see the class doc)
+    assert DFlashDrafter(net(0), device_drafts=None).device_drafts is False  # None: decided at bind
     with pytest.raises(ConfigError, match="device_drafts"):
         HybridDrafter(DFlashDrafter(net(0)), device_drafts=1)
 
 
-def test_device_drafts_follow_the_target_device(tiny):
-    d = DFlashDrafter(net(0))
+def test_device_drafts_follow_the_target_device_when_asked(tiny):
+    d = DFlashDrafter(net(0), device_drafts=None)
     SpecEngine(tiny, d, max_draft_tokens=4)
-    assert d.device_drafts is False  # a CPU target
+    assert d.device_drafts is False  # None on a CPU target: off
     d2 = DFlashDrafter(net(0), device_drafts=True)
     SpecEngine(tiny, d2, max_draft_tokens=4)
     assert d2.device_drafts is True
@@ -321,10 +322,10 @@ def test_gpu_propose_and_step_launch_without_a_synchronisation(tmp_path):
     target = load_target(tmp_path, device="cuda")
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     _, base = _generate(target, NullDrafter(), PROMPTS, params)
-    _, host = _generate(target, DFlashDrafter(net(0), device_drafts=False, torch_compile=False), PROMPTS, params)
-    drafter = DFlashDrafter(net(0), torch_compile=False)
+    _, on_host = _generate(target, DFlashDrafter(net(0), torch_compile=False), PROMPTS, params)
+    drafter = DFlashDrafter(net(0), torch_compile=False, device_drafts=None)
     engine = SpecEngine(target, drafter, max_draft_tokens=4, tokens_per_block=16)
-    assert drafter.device_drafts  # the default on CUDA
+    assert drafter.device_drafts  # None: on for a CUDA target
     engine.capture_graphs(max_kv_len=120, progress=False)  # no capture (which synchronises) inside the steps
     for p in PROMPTS:
         engine.add_request(p, params)
@@ -373,4 +374,4 @@ def test_gpu_propose_and_step_launch_without_a_synchronisation(tmp_path):
     while engine.has_unfinished():
         engine.step()
     outs = [engine.release(r) for r in list(engine._seqs)]
-    assert sorted(o.token_ids for o in outs) == sorted(o.token_ids for o in base) == sorted(o.token_ids for o in host)
+    assert sorted(o.token_ids for o in outs) == sorted(o.token_ids for o in base) == sorted(o.token_ids for o in on_host)

@@ -113,7 +113,7 @@ def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, dra
 @pytest.mark.parametrize("system,batch_size", [("dflash", 1), ("dflash", 8), ("dspark", 4), ("hybrid-dflash", 4)])
 def test_shipped_block_drafters_with_drafts_on_the_device_are_lossless(smollm2, baseline, system, batch_size):
     """The shipped checkpoints with ``device_drafts=True`` (their drafts fed to the target's step
-    on the device, the default on CUDA): token for token null's, over the 20 prompts."""
+    on the device): token for token null's, over the 20 prompts."""
     learned = (DSparkDrafter if system == "dspark" else DFlashDrafter)(device_drafts=True)
     drafter = HybridDrafter(learned, cost_aware=False) if system.startswith("hybrid") else learned
     engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16)

@@ -115,9 +115,13 @@ class BlockDrafter(Drafter):
         device_drafts: leave the drafted tokens (and confidences) on the device
             (:class:`~specdec.drafters.base.DraftsOnDevice`): the engine feeds them to the target's
             step there, so the host launches the step while the propose still runs, and reads
-            them after the step. ``None`` (default): on when :meth:`bind` finds the target on
-            CUDA, off on the CPU (where nothing runs ahead of the host); an attribute, may be
-            changed between calls.
+            them after the step. ``False`` (default): the propose reads them back (one
+            synchronisation). Off by default because it measured slower: on the H100 at batch 1
+            0.94x the tokens/s of DFlash with it off, 0.93x for the hybrid with DFlash, 0.99x for
+            DSpark (BENCHMARKS.md): the propose's host work (about 0.45 ms) outlasts its device
+            work (0.26 ms), so the wait it removes is short, and its extra launches cost more.
+            ``None``: on when :meth:`bind` finds the target on CUDA. An attribute, may be changed
+            between calls.
     """
 
     reads_helix_sharded_ctx_pages = False
@@ -128,7 +132,7 @@ class BlockDrafter(Drafter):
     default_checkpoint: str | None = None
 
     def __init__(self, net: BlockDrafterNet | str | Path | None = None, cuda_graphs: bool = True,
-                 torch_compile: bool | None = None, device_drafts: bool | None = None):
+                 torch_compile: bool | None = None, device_drafts: bool | None = False):
         if net is None:
             if self.default_checkpoint is None:
                 raise ConfigError(f"{type(self).__name__} needs a network or a checkpoint path (net=...)")
@@ -175,7 +179,7 @@ class BlockDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True,
-                        torch_compile: bool | None = None, device_drafts: bool | None = None) -> "BlockDrafter":
+                        torch_compile: bool | None = None, device_drafts: bool | None = False) -> "BlockDrafter":
         """Load a shipped drafter by name (e.g. ``"smollm2-135m-dflash"``) or a checkpoint directory
         (``cuda_graphs``, ``torch_compile``, ``device_drafts``: as in the constructor).
 
