@@ -2,7 +2,9 @@
 # On the GPU machine (after the stage-for-device.sh stashes): one round of the block-drafter recipe.
 #   bash bench/drafter_round.sh data    # build the training data under $DATA (default /tmp/drafter_data);
 #                                       # its shards and manifest come back under $OUT/data. PART=I/N builds
-#                                       # part I of N (a large set over several calls; train on every part)
+#                                       # part I of N (a large set over several calls; train on every part);
+#                                       # it stops after $DATA_SECONDS (default 480) with what is finished, and
+#                                       # DATA=<a folder it brought back, carried> with the same knobs resumes it
 #   bash bench/drafter_round.sh train   # train DFlash and DSpark side by side on $DATA for $SECONDS (default 420)
 #                                       # each, into specdec/drafters/checkpoints/ (RESUME=1: continue the
 #                                       # checkpoints there); both checkpoint folders come back as
@@ -33,11 +35,11 @@ for part in "$@"; do
           --steps 30 --val-every 15 --val-fraction 0.1 2>&1 | tail -3
       done ;;
     data)
-      timeout 560 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
+      timeout 570 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
         --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" \
-        --num-grounded "${GROUNDED:-10000}" --device cuda 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 \
-        | tee "$OUT/data_log.txt"
+        --num-grounded "${GROUNDED:-10000}" --max-seconds "${DATA_SECONDS:-480}" --save-every 60 --device cuda 2>&1 \
+        | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
     train)
       for kind in dflash dspark; do
