@@ -15,7 +15,7 @@
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
-# Knobs: MAGPIE, CODE, GROUNDED (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
+# Knobs: MAGPIE, CODE, GROUNDED, MATH (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
 # SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
 # for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs);
 # LR (peak learning rate, default 1e-3).
@@ -38,7 +38,7 @@ for part in "$@"; do
       timeout 570 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
         --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" \
-        --num-grounded "${GROUNDED:-10000}" --max-seconds "${DATA_SECONDS:-480}" --save-every 60 --device cuda 2>&1 \
+        --num-grounded "${GROUNDED:-10000}" --num-math "${MATH:-5000}" --max-seconds "${DATA_SECONDS:-480}" --save-every 60 --device cuda 2>&1 \
         | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
     train)

@@ -5,16 +5,18 @@ sequences an uninterrupted build gives."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import specdec.drafters.data as data_mod
 from specdec import SpecEngine
-from specdec.drafters.data import JOBS_FILE, TokenData, build
+from specdec.drafters.data import JOBS_FILE, TokenData, build, math_prompts
 from specdec.errors import ConfigError
 
-SMALL = dict(num_magpie=1, num_code=3, num_humaneval=2, num_grounded=0, sampled_fraction=0.5, max_new_tokens=10,
+SMALL = dict(num_magpie=1, num_code=3, num_humaneval=2, num_grounded=0, num_math=2, sampled_fraction=0.5, max_new_tokens=10,
              magpie_tokens=24, batch_size=3, kv_cache_bytes=64 << 20, progress=False)
 
 
@@ -33,7 +35,8 @@ def test_an_uninterrupted_build_is_complete_and_reads_back(whole):
     out, data = whole
     meta = data.meta
     assert meta["complete"] and meta["jobs_done"] == [[0, meta["jobs_total"]]] and len(data) == meta["jobs_total"]
-    assert meta["num_code"] == 3 and meta["num_humaneval"] == 2 and meta["num_magpie"] <= 1
+    assert meta["num_code"] == 3 and meta["num_humaneval"] == 2 and meta["num_math"] == 2 and meta["num_magpie"] <= 1
+    assert set(data.source.tolist()) >= {1, 2, 4}
     greedy = sum(meta[f"num_{s}"] for s in data_mod.SOURCES)
     assert (data.temperature == 0).sum() == greedy and len(data) > greedy  # sampled responses too
     assert set(data.temperature.tolist()) <= set(np.float32([0.0, 0.7, 0.8, 0.9, 1.0]).tolist())
@@ -92,3 +95,26 @@ def test_a_build_refuses_a_folder_it_cannot_resume(smollm2, whole, tmp_path):
 def test_the_command_checks_its_budget_flags(tmp_path, bad):
     with pytest.raises(SystemExit):
         data_mod.main(["--out", str(tmp_path), "--device", "cpu", *bad])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10 ** 6))
+def test_math_prompts_are_seeded_distinct_and_have_whole_answers(seed):
+    got = math_prompts(300, seed=seed)
+    assert got == math_prompts(300, seed=seed) and len(got) == 300 and len(set(got)) == 300
+    assert got != math_prompts(300, seed=seed + 1)
+    kinds = {re.sub(r"[\d$,.:%-]+|\b(" + "|".join(data_mod._NAMES) + ")\b", "", p)[:25] for p in got}
+    assert len(kinds) >= 20  # most of the 24 kinds in 300 problems
+    for p in got:
+        if m := re.match(r"Solve for x: (\d+)x \+ (\d+) = (-?\d+)\.", p):
+            a, c, v = map(int, m.groups())
+            assert (v - c) % a == 0
+        if m := re.search(r"test scores are ([\d, ]+)\. What", p):
+            scores = [int(x) for x in m.group(1).split(", ")]
+            assert sum(scores) % len(scores) == 0 and all(0 < x <= 100 for x in scores)
+        if m := re.match(r"If (\d+) workers can build a wall in (\d+) days, how many days would (\d+)", p):
+            n, d, k = map(int, m.groups())
+            assert (n * d) % k == 0 and k != n
+        if m := re.search(r"pays with a \$(\d+) bill", p):
+            price, n = map(int, re.search(r"for \$(\d+) each\. \w+ buys (\d+)", p).groups())
+            assert int(m.group(1)) >= price * n
