@@ -5,8 +5,9 @@
 #                                       # part I of N (a large set over several calls; train on every part);
 #                                       # it stops after $DATA_SECONDS (default 480) with what is finished, and
 #                                       # DATA=<a folder it brought back, carried> with the same knobs resumes it
-#   bash bench/drafter_round.sh train   # train DFlash and DSpark side by side on $DATA for $SECONDS (default 420)
-#                                       # each, into specdec/drafters/checkpoints/ (RESUME=1: continue the
+#   bash bench/drafter_round.sh train   # train DFlash and DSpark side by side on $DATA for $SECONDS_BUDGET (default
+#                                       # 420), one process and one target forward a step for both (JOINT=0: a
+#                                       # process each), into specdec/drafters/checkpoints/ (RESUME=1: continue the
 #                                       # checkpoints there); both checkpoint folders come back as
 #                                       # $OUT/checkpoints.tar.N pieces (cat them | tar -x), with the logs
 #   bash bench/drafter_round.sh round   # train (INIT=1, SECONDS_BUDGET 240, the repo's data) then e2e at batch 1 and 8:
@@ -42,15 +43,23 @@ for part in "$@"; do
         | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
     train)
+      if [ "${JOINT:-1}" = 1 ]; then  # both kinds in one process: one target forward a step feeds both
+        resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-{kind}"
+        [ -n "${INIT:-}" ] && resume="--init $CK/smollm2-135m-{kind}"
+        timeout 580 python -m specdec.drafters.training --data $DATA --kind dflash,dspark --out "/tmp/ck-{kind}" \
+          --max-seconds "${SECONDS_BUDGET:-420}" --lr "${LR:-1e-3}" $resume > "$OUT/train.log" 2>&1
+        tail -8 "$OUT/train.log"
+      else  # JOINT=0: one process per kind, side by side on the GPU
+        for kind in dflash dspark; do
+          resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
+          [ -n "${INIT:-}" ] && resume="--init $CK/smollm2-135m-$kind"
+          timeout 580 python -m specdec.drafters.training --data $DATA --kind $kind --out "/tmp/ck-$kind" \
+            --max-seconds "${SECONDS_BUDGET:-420}" --lr "${LR:-1e-3}" $resume > "$OUT/train_$kind.log" 2>&1 &
+        done
+        wait
+        tail -5 "$OUT"/train_*.log
+      fi
       for kind in dflash dspark; do
-        resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
-        [ -n "${INIT:-}" ] && resume="--init $CK/smollm2-135m-$kind"
-        timeout 580 python -m specdec.drafters.training --data $DATA --kind $kind --out "/tmp/ck-$kind" \
-          --max-seconds "${SECONDS_BUDGET:-420}" --lr "${LR:-1e-3}" $resume > "$OUT/train_$kind.log" 2>&1 &
-      done
-      wait
-      for kind in dflash dspark; do
-        tail -5 "$OUT/train_$kind.log"
         rm -rf "$CK/smollm2-135m-$kind" && cp -r /tmp/ck-$kind "$CK/smollm2-135m-$kind"
       done
       # at most 8 files of 16 MiB come back: both checkpoints in one archive, in 15 MiB pieces

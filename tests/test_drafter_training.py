@@ -21,7 +21,7 @@ from specdec.drafters.data import TokenData, code_prompts, keep_message
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
 from specdec.drafters.training import (TrainConfig, anchor_block_mask, anchors_from_uniform, block_hidden, block_labels,
                                        block_loss, distill_tokens, lr_factor, new_net, simulated_tau, target_features,
-                                       train_block_drafter)
+                                       TrainJob, train_block_drafter, train_block_drafters)
 from specdec.errors import CheckpointError, ConfigError
 
 VOCAB, HIDDEN = 64, 32
@@ -114,6 +114,63 @@ def test_a_resumed_run_continues_the_same_curve(tiny, tmp_path):
     assert [v["step"] for v in resumed["val"]] == [6, 12]
     with pytest.raises(CheckpointError, match="resume"):
         train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, resume=tmp_path / "nothing", progress=False)
+
+
+def test_a_fresh_network_depends_on_its_seed_only(tiny):
+    torch.manual_seed(1)
+    a = new_net(dspark_cfg(), tiny, seed=3).state_dict()
+    torch.manual_seed(2)
+    b = new_net(dspark_cfg(), tiny, seed=3).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["fc.weight"], new_net(dspark_cfg(), tiny, seed=4).state_dict()["fc.weight"])
+
+
+def test_drafters_trained_side_by_side_equal_each_trained_alone(tiny, tmp_path):
+    """One target forward a step feeds both kinds; each network ends as it would alone (weights,
+    losses, validation), and a joint run cut after its first checkpoint resumes on the same curve."""
+    data, val = toy_data(12), toy_data(3, seed=9)
+    base = dict(steps=6, seqs_per_step=2, val_every=3)
+    tcs = {"dflash": TrainConfig(anchors_per_seq=4, lr=1e-3, **base),
+           "dspark": TrainConfig(anchors_per_seq=6, lr=2e-3, tv_weight=0.5, confidence_weight=0.2, **base)}
+    cfgs = {"dflash": cfg(0), "dspark": dspark_cfg()}
+    alone = [train_block_drafter(tiny, data, new_net(cfgs[k], tiny, seed=1), tcs[k], val=val, progress=False)
+             for k in tcs]
+    jobs = lambda out, resume=None: [TrainJob(new_net(cfgs[k], tiny, seed=1), tcs[k], out / k,  # noqa: E731
+                                              None if resume is None else resume / k, name=k) for k in tcs]
+    both = train_block_drafters(tiny, data, jobs(tmp_path / "both"), val=val, progress=False)
+    for (net, rec), (net2, rec2) in zip(alone, both):
+        sd, sd2 = net.state_dict(), net2.state_dict()
+        assert sd.keys() == sd2.keys() and all(torch.equal(sd[n], sd2[n]) for n in sd)
+        assert rec2["losses"] == rec["losses"] and rec2["lr"] == rec["lr"] and rec2["val"] == rec["val"]
+        assert rec2["networks_per_batch"] == 2 and rec["networks_per_batch"] == 1
+    assert (tmp_path / "both" / "dspark" / "training.png").exists()
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_the_second_log(msg: str, seen=[]) -> None:  # both networks validated at step 3
+        seen.append(msg)
+        if len(seen) == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_block_drafters(tiny, data, jobs(tmp_path / "cut"), val=val, progress=False, log=stop_at_the_second_log)
+    resumed = train_block_drafters(tiny, data, jobs(tmp_path / "more", resume=tmp_path / "cut"), val=val,
+                                   progress=False)
+    for (_, rec), (_, rec2) in zip(both, resumed):
+        assert rec2["lr"] == rec["lr"] and [v["step"] for v in rec2["val"]] == [3, 6]
+    with pytest.raises(ConfigError, match="seqs_per_step"):
+        train_block_drafters(tiny, data, [TrainJob(new_net(cfg(0), tiny), tcs["dflash"]),
+                                          TrainJob(new_net(cfg(0), tiny), TrainConfig(steps=6, seqs_per_step=3,
+                                                                                        val_every=3))])
+    with pytest.raises(ConfigError, match="target layers"):
+        train_block_drafters(tiny, data, [TrainJob(new_net(cfg(0), tiny), tcs["dflash"]),
+                                          TrainJob(new_net(cfg(0, target_layer_ids=(1, 2)), tiny), tcs["dflash"])])
+    with pytest.raises(ConfigError, match="or none"):
+        train_block_drafters(tiny, data, [TrainJob(new_net(cfg(0), tiny), tcs["dflash"], resume=tmp_path / "cut" / "dflash"),
+                                          TrainJob(new_net(dspark_cfg(), tiny), tcs["dspark"])])
+    with pytest.raises(ConfigError, match="at least one"):
+        train_block_drafters(tiny, data, [])
 
 
 # -- vectorised pieces against loop references ---------------------------------------------------------
@@ -398,6 +455,33 @@ def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory,
         main(common + ["--kind", "dspark", "--out", str(more), "--init", str(out), "--resume", str(out)])
     with pytest.raises(CheckpointError, match="manifest"):
         main(["--data", str(tmp_path_factory.mktemp("empty")), "--out", str(more), "--device", "cpu"])
+
+
+def test_training_command_trains_two_kinds_side_by_side(tmp_path_factory, capsys):
+    from specdec.drafters.training import main
+
+    tpath = tmp_path_factory.mktemp("cli2_target")
+    tiny_llama(tpath, "cpu")
+    data_dir = tmp_path_factory.mktemp("cli2_data")
+    toy_data(16).save(data_dir)
+    out = tmp_path_factory.mktemp("cli2_out")
+    common = ["--data", str(data_dir), "--target", str(tpath), "--num-layers", "1", "--intermediate-size", "32",
+              "--num-target-layers", "2", "--device", "cpu", "--dtype", "float32", "--seqs-per-step", "2",
+              "--anchors", "2", "--val-every", "2", "--val-fraction", "0.3", "--block-size", "4", "--steps", "2"]
+    assert main(common + ["--kind", "dflash,dspark", "--out", str(out / "ck-{kind}")]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-2:]]
+    assert [x["kind"] for x in lines] == ["dflash", "dspark"] and all(x["steps_run"] == 2 for x in lines)
+    assert BlockDrafterNet.load(out / "ck-dspark").config.markov_rank == 64
+    assert BlockDrafterNet.load(out / "ck-dflash").config.shift_label == 0
+    rec = json.loads((out / "ck-dflash" / "training.json").read_text())
+    assert rec["networks_per_batch"] == 2
+    assert main(common + ["--kind", "dspark,dflash", "--out", str(out / "more-{kind}"),
+                          "--init", str(out / "ck-{kind}")]) == 0
+    for bad in (["--kind", "dflash,dspark", "--out", str(out / "one")], ["--kind", "dflash,eagle", "--out", str(out)],
+                ["--kind", "dflash,dflash", "--out", str(out / "{kind}")],
+                ["--kind", "dflash,dspark", "--out", str(out / "x-{kind}"), "--init", str(out / "ck-dflash")]):
+        with pytest.raises(SystemExit):
+            main(common + bad)
 
 
 def test_parts_of_a_data_set_join_and_the_command_checks_its_flags(tmp_path):

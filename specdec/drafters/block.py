@@ -458,11 +458,14 @@ def load_weights(net: nn.Module, weights: dict[str, torch.Tensor], path: str | P
 
 
 def init_weights(net: BlockDrafterNet, seed: int = 0, std: float = 0.02) -> BlockDrafterNet:
-    """Small random init (norms at 1) for training from scratch."""
+    """Small random init (norms at 1, biases at 0) for training from scratch; the same ``seed``
+    gives the same weights, whatever the global RNG."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in net.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 1 and name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     p.mul_(1 / math.sqrt(2 * net.config.num_layers))

@@ -31,6 +31,7 @@ resumes from it on the same learning-rate curve (AdamW moments restart).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -389,50 +390,131 @@ def train_block_drafter(target, data: TokenData, net, tc: TrainConfig, val: Toke
         ``(net, record)``: the best network by validation tau (the last one without ``val``) and the
         training record (the contents of ``training.json``).
     """
-    log = log or (lambda s: None)
-    dev = target.device
-    layer_ids = tuple(net.config.target_layer_ids)
-    torch.manual_seed(tc.seed)
-    state = _read_state(resume) if resume is not None else None
-    if state is not None:
-        net.load_state_dict(type(net).load(resume).state_dict())
-    net = net.to(device=dev, dtype=torch.float32).train()
-    decay, no_decay = [], []
-    for name, p in net.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
-    embed, lm_head = target.embed.detach(), target.lm_head.detach()
-    with_final = tc.tv_weight > 0
-    tlogits = target.compute_logits if with_final else None
-    record = state["record"] if state else {"train": asdict(tc), "losses": [], "lr": [], "val": [],
-                                            "tokens_seen": 0, "seconds": 0.0, "sequences": len(data)}
-    step = state["step"] if state else 0
-    planned = state["planned"] if state else tc.steps
-    epoch, cursor = (state["epoch"], state["cursor"]) if state else (0, 0)
-    order = _order(len(data), tc.seed, epoch)
-    gen = torch.Generator(device="cpu").manual_seed(tc.seed * 7919 + step)
+    return train_block_drafters(target, data, [TrainJob(net, tc, out, resume)], val=val, progress=progress, log=log,
+                                stop_after_seconds=stop_after_seconds)[0]
 
-    def one_step(update: bool) -> tuple[float, dict, int]:
+
+@dataclass
+class TrainJob:
+    """One network of :func:`train_block_drafters`: its configuration, checkpoint folder and the
+    folder of an earlier run to resume (see :func:`train_block_drafter`)."""
+
+    net: object
+    config: TrainConfig
+    out: str | Path | None = None
+    resume: str | Path | None = None
+    name: str = ""
+
+
+#: What networks trained side by side share: their batches (order, size, length) and their plan.
+SHARED_SETTINGS = ("steps", "seqs_per_step", "max_len", "max_seconds", "val_every", "seed")
+
+
+class _Run:
+    """One network's part of the loop: its optimizer, anchor generator, record and best weights."""
+
+    def __init__(self, job: TrainJob, dev: torch.device, data_len: int):
+        self.job, self.tc, self.name = job, job.config, job.name
+        self.state = _read_state(job.resume) if job.resume is not None else None
+        net = job.net
+        if self.state is not None:
+            net.load_state_dict(type(net).load(job.resume).state_dict())
+        self.net = net.to(device=dev, dtype=torch.float32).train()
+        decay, no_decay = [], []
+        for _, p in self.net.named_parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.tc.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=self.tc.lr, betas=(0.9, 0.95))
+        self.record = self.state["record"] if self.state else {
+            "train": asdict(self.tc), "losses": [], "lr": [], "val": [], "tokens_seen": 0, "seconds": 0.0,
+            "sequences": data_len}
+        self.best = max((v["tau"] for v in self.record["val"]), default=-1.0)
+        self.best_state = None
+        self.gen: torch.Generator | None = None
+        self.t_start = 0.0
+
+
+def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: TokenData | None = None,
+                         progress: bool = True, log: Callable[[str], None] | None = None,
+                         stop_after_seconds: float | None = None) -> list[tuple[object, dict]]:
+    """Train several block drafter networks side by side (e.g. DFlash and DSpark): every step runs
+    the target once over the batch and each network learns from the same hidden states, so a
+    network costs its own forward and backward only. Each network's result equals training it
+    alone (:func:`train_block_drafter`) with the same settings: its anchors come from its own
+    generator, seeded as in a run of its own.
+
+    The networks share :data:`SHARED_SETTINGS` of their :class:`TrainConfig` and the target layers
+    they read; learning rate, anchors per sequence and the loss mix are each one's own. With
+    ``max_seconds`` the plan is what fits the budget at the joint step's time. Resumed jobs must
+    come from one joint run (the same step and plan); ``resume`` all of them or none.
+
+    Returns:
+        ``(net, record)`` per job, in order (see :func:`train_block_drafter`).
+
+    Raises:
+        ConfigError: no jobs, or jobs that differ in a shared setting or in their target layers,
+            or resumed states that do not match.
+        CheckpointError: a ``resume`` folder without a readable state.
+    """
+    log = log or (lambda s: None)
+    if not jobs:
+        raise ConfigError("train_block_drafters needs at least one TrainJob")
+    dev = target.device
+    first = jobs[0]
+    layer_ids = tuple(first.net.config.target_layer_ids)
+    for j in jobs[1:]:
+        for name in SHARED_SETTINGS:
+            if getattr(j.config, name) != getattr(first.config, name):
+                raise ConfigError(f"networks trained side by side share their batches and plan: {name} is "
+                                  f"{getattr(first.config, name)!r} for the first, {getattr(j.config, name)!r} for another")
+        if tuple(j.net.config.target_layer_ids) != layer_ids:
+            raise ConfigError(f"networks trained side by side read the same target layers: {layer_ids} and "
+                              f"{tuple(j.net.config.target_layer_ids)}")
+    tc0 = first.config
+    torch.manual_seed(tc0.seed)
+    runs = [_Run(j, dev, len(data)) for j in jobs]
+    states = [r.state for r in runs]
+    if any(s is not None for s in states) and any(s is None for s in states):
+        raise ConfigError("resume every network trained side by side, or none")
+    plan_keys = ("step", "planned", "epoch", "cursor")
+    if states[0] is not None and any({k: s[k] for k in plan_keys} != {k: states[0][k] for k in plan_keys}
+                                     for s in states):
+        raise ConfigError("the resumed networks were not trained side by side: their steps or plans differ "
+                          f"({[{k: s[k] for k in plan_keys} for s in states]})")
+    state = states[0]
+    embed, lm_head = target.embed.detach(), target.lm_head.detach()
+    with_final = any(r.tc.tv_weight > 0 for r in runs)
+    tlogits = target.compute_logits if with_final else None
+    step = state["step"] if state else 0
+    planned = state["planned"] if state else tc0.steps
+    epoch, cursor = (state["epoch"], state["cursor"]) if state else (0, 0)
+    order = _order(len(data), tc0.seed, epoch)
+    for r in runs:
+        r.gen = torch.Generator(device="cpu").manual_seed(r.tc.seed * 7919 + step)
+
+    def one_step(update: bool) -> tuple[list[tuple[float, dict]], int]:
         nonlocal cursor, epoch, order
-        batch = _sample_batch(target, data, order, cursor, tc, layer_ids, with_final)
-        cursor += tc.seqs_per_step
+        batch = _sample_batch(target, data, order, cursor, tc0, layer_ids, with_final)
+        cursor += tc0.seqs_per_step
         if cursor >= len(order):
             epoch, cursor = epoch + 1, 0
-            order = _order(len(data), tc.seed, epoch)
+            order = _order(len(data), tc0.seed, epoch)
         lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
-        anchors = anchors_from_uniform(lo, hi, torch.rand(len(lo), tc.anchors_per_seq, generator=gen).to(dev))
-        with _autocast(dev):
-            loss, m = block_loss(net, embed, lm_head, batch, anchors, tc, tlogits)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if update:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item(), m, int(batch.lengths.sum())
+        out = []
+        for r in runs:
+            anchors = anchors_from_uniform(lo, hi, torch.rand(len(lo), r.tc.anchors_per_seq, generator=r.gen).to(dev))
+            with _autocast(dev):
+                loss, m = block_loss(r.net, embed, lm_head, batch, anchors, r.tc, tlogits)
+            r.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if update:
+                torch.nn.utils.clip_grad_norm_(r.net.parameters(), 1.0)
+                r.opt.step()
+            r.opt.zero_grad(set_to_none=True)
+            out.append((loss.item(), m))
+        return out, int(batch.lengths.sum())
 
-    if state is None and tc.max_seconds:  # turn the time budget into planned steps, before any update
+    if state is None and tc0.max_seconds:  # turn the time budget into planned steps, before any update
         snap = (cursor, epoch, order)
         for _ in range(5):
             one_step(False)  # warm-up: kernels, allocator, attention plans of the first shapes
@@ -447,66 +529,75 @@ def train_block_drafter(target, data: TokenData, net, tc: TrainConfig, val: Toke
         val_s = 0.0
         if val is not None and len(val):
             t1 = time.perf_counter()
-            simulated_tau(net, target, val, tc)
+            for r in runs:
+                simulated_tau(r.net, target, val, r.tc)
             _sync(dev)
             val_s = time.perf_counter() - t1
-        n_val = lambda n: (n // tc.val_every if tc.val_every else 0) + 1  # noqa: E731
-        planned = tc.steps
-        while planned > 1 and planned * per_step + n_val(planned) * val_s > tc.max_seconds:
+        n_val = lambda n: (n // tc0.val_every if tc0.val_every else 0) + 1  # noqa: E731
+        planned = tc0.steps
+        while planned > 1 and planned * per_step + n_val(planned) * val_s > tc0.max_seconds:
             planned = int(planned * 0.97)
         cursor, epoch, order = snap
-        log(f"time budget {tc.max_seconds:.0f} s: {per_step * 1000:.0f} ms a step, {val_s:.1f} s a validation "
+        log(f"time budget {tc0.max_seconds:.0f} s: {per_step * 1000:.0f} ms a step"
+            f"{f' ({len(runs)} networks)' if len(runs) > 1 else ''}, {val_s:.1f} s a validation "
             f"-> {planned} planned steps")
-    record["planned_steps"] = planned
-    best = max((v["tau"] for v in record["val"]), default=-1.0)
-    best_state = None
+    for r in runs:
+        r.record["planned_steps"] = planned
+        r.record["networks_per_batch"] = len(runs)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=planned, initial=step, desc="train drafter", unit="step")
+        bar = tqdm(total=planned, initial=step, desc="train drafter" + ("s" if len(runs) > 1 else ""), unit="step")
     t_wall = time.perf_counter()
-    t_start = t_wall - record["seconds"]
+    for r in runs:
+        r.t_start = t_wall - r.record["seconds"]
     while step < planned:
-        f = lr_factor(step, planned, tc.warmup_frac, tc.min_lr_frac)
-        for gp in opt.param_groups:
-            gp["lr"] = tc.lr * f
-        loss, m, toks = one_step(True)
-        record["losses"].append(round(loss, 5))
-        record["lr"].append(tc.lr * f)
-        record["tokens_seen"] += toks
+        for r in runs:
+            f = lr_factor(step, planned, r.tc.warmup_frac, r.tc.min_lr_frac)
+            for gp in r.opt.param_groups:
+                gp["lr"] = r.tc.lr * f
+            r.record["lr"].append(r.tc.lr * f)
+        results, toks = one_step(True)
+        for r, (loss, _) in zip(runs, results):
+            r.record["losses"].append(round(loss, 5))
+            r.record["tokens_seen"] += toks
         step += 1
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{m['acc']:.2f}")
+            bar.set_postfix(loss="/".join(f"{loss:.3f}" for loss, _ in results),
+                            acc="/".join(f"{m['acc']:.2f}" for _, m in results))
         last = step == planned
-        if val is not None and len(val) and (last or (tc.val_every and step % tc.val_every == 0)):
-            v = {"step": step, **simulated_tau(net, target, val, tc)}
-            record["val"].append(v)
-            if v["tau"] > best:
-                best = v["tau"]
-                best_state = {k: t.detach().clone() for k, t in net.state_dict().items()}
-                record["best"] = v
-                record["seconds"] = time.perf_counter() - t_start
-                record["steps_run"] = step
-                if out is not None:  # a run cut short resumes from its best checkpoint
-                    _save(net, out, record, step, planned, epoch, cursor)
-            log(f"step {step}/{planned}: loss {loss:.3f}, val tau {v['tau']:.3f} (best {best:.3f})")
+        if val is not None and len(val) and (last or (tc0.val_every and step % tc0.val_every == 0)):
+            for r, (loss, _) in zip(runs, results):
+                v = {"step": step, **simulated_tau(r.net, target, val, r.tc)}
+                r.record["val"].append(v)
+                if v["tau"] > r.best:
+                    r.best = v["tau"]
+                    r.best_state = {k: t.detach().clone() for k, t in r.net.state_dict().items()}
+                    r.record["best"] = v
+                    r.record["seconds"] = time.perf_counter() - r.t_start
+                    r.record["steps_run"] = step
+                    if r.job.out is not None:  # a run cut short resumes from its best checkpoint
+                        _save(r.net, r.job.out, r.record, step, planned, epoch, cursor)
+                log(f"{r.name + ': ' if r.name else ''}step {step}/{planned}: loss {loss:.3f}, "
+                    f"val tau {v['tau']:.3f} (best {r.best:.3f})")
         if stop_after_seconds is not None and time.perf_counter() - t_wall > stop_after_seconds:
             log(f"stopping at step {step} of {planned} after {stop_after_seconds:.0f} s: resume to continue")
             break
     if bar is not None:
         bar.close()
-    record["seconds"] = time.perf_counter() - t_start
-    record["steps_run"] = step
-    if best_state is not None:
-        net.load_state_dict(best_state)
-    elif state is not None and record["val"]:  # no better weights this time: the earlier best stays
-        net.load_state_dict(type(net).load(resume).state_dict())
-    if out is not None:
-        _save(net, out, record, step, planned, epoch, cursor)
-        plot_training(record, Path(out) / "training.png")
-    return net.eval(), record
+    for r in runs:
+        r.record["seconds"] = time.perf_counter() - r.t_start
+        r.record["steps_run"] = step
+        if r.best_state is not None:
+            r.net.load_state_dict(r.best_state)
+        elif r.state is not None and r.record["val"]:  # no better weights this time: the earlier best stays
+            r.net.load_state_dict(type(r.net).load(r.job.resume).state_dict())
+        if r.job.out is not None:
+            _save(r.net, r.job.out, r.record, step, planned, epoch, cursor)
+            plot_training(r.record, Path(r.job.out) / "training.png")
+    return [(r.net.eval(), r.record) for r in runs]
 
 
 def _sync(dev: torch.device) -> None:
@@ -515,10 +606,9 @@ def _sync(dev: torch.device) -> None:
 
 
 def _save(net, out, record, step, planned, epoch, cursor) -> None:
+    """The weights in bf16 (a copy: the network in training keeps its fp32 weights) and the state."""
     out = Path(out)
-    keep = net.fc.weight.dtype
-    net.to(torch.bfloat16).save(out)
-    net.to(keep)
+    copy.deepcopy(net).to(torch.bfloat16).save(out)
     _write_state(out, record, step, planned, epoch, cursor)
 
 
@@ -600,8 +690,9 @@ KIND_SETTINGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specdec.drafters.training`` (also ``specdec train-drafter``): train one drafter on
-    data built by ``python -m specdec.drafters.data``, or resume a run."""
+    """``python -m specdec.drafters.training`` (also ``specdec train-drafter``): train a drafter (or
+    several kinds side by side, ``--kind dflash,dspark``) on data built by ``python -m
+    specdec.drafters.data``, or resume a run."""
     import argparse
     import sys
 
@@ -609,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", required=True, nargs="+",
                    help="folder(s) written by python -m specdec.drafters.data (several: the parts of one set)")
-    p.add_argument("--kind", choices=sorted(KIND_SETTINGS), default="dspark")
+    p.add_argument("--kind", default="dspark",
+                   help=f"{' or '.join(sorted(KIND_SETTINGS))}, or several comma-separated (trained side by side, "
+                        "one target forward a step; --out, --resume and --init then name a folder per kind with {kind})")
     p.add_argument("--out", required=True, help="checkpoint folder (best weights, training.json, training.png)")
     p.add_argument("--resume", default=None, help="a checkpoint folder of an earlier, unfinished run: continue its plan")
     p.add_argument("--init", default=None, help="start from this checkpoint's weights with a new plan (more training "
@@ -637,38 +730,51 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdec.target.loading import check_device
 
-    check_device(args.device)  # typed errors before the model loads
-    data = TokenData.concat([TokenData.load(d) for d in args.data])
-    k = KIND_SETTINGS[args.kind]
-    tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
-                     tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"], max_seconds=args.max_seconds,
-                     val_every=args.val_every, seed=args.seed)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-    train, val = data.split(args.val_fraction, seed=args.seed)
+    kinds = [k.strip() for k in args.kind.split(",")]
+    bad = [k for k in kinds if k not in KIND_SETTINGS]
+    if bad or not kinds or len(set(kinds)) != len(kinds):
+        p.error(f"--kind must be one or more distinct of {sorted(KIND_SETTINGS)}, comma-separated; got {args.kind!r}")
     if args.resume and args.init:
         p.error("--resume and --init exclude each other")
-    if args.resume or args.init:
-        net = BlockDrafterNet.load(args.resume or args.init)
-        if net.config.shift_label != k["shift_label"]:
-            p.error(f"the checkpoint is not a {args.kind} drafter (shift_label {net.config.shift_label})")
-    else:
-        tcfg = target.config
-        net = new_net(BlockDrafterConfig(
-            block_size=args.block_size, shift_label=k["shift_label"],
-            target_layer_ids=spread_layer_ids(target.num_layers, args.num_target_layers),
-            target_hidden_size=target.hidden_size, vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-            num_layers=args.num_layers, num_heads=tcfg.num_attention_heads, num_kv_heads=tcfg.num_key_value_heads,
-            head_dim=tcfg.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=tcfg.rms_norm_eps,
-            rope_theta=tcfg.rope_theta, markov_rank=k["markov_rank"], confidence_head=k["confidence_head"]),
-            target, seed=args.seed)
+    for flag in ("out", "resume", "init"):
+        if len(kinds) > 1 and getattr(args, flag) is not None and "{kind}" not in getattr(args, flag):
+            p.error(f"--{flag} must name a folder per kind with {{kind}} (e.g. ckpt-{{kind}}) when several kinds train")
+    folder = lambda path, kind: None if path is None else path.replace("{kind}", kind)  # noqa: E731
+    check_device(args.device)  # typed errors before the model loads
+    data = TokenData.concat([TokenData.load(d) for d in args.data])
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    train, val = data.split(args.val_fraction, seed=args.seed)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"{args.kind}: {len(train)} training sequences, {len(val)} validation; "
-        f"{sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters")
-    net, record = train_block_drafter(target, train, net, tc, val=val, out=args.out, resume=args.resume,
-                                      progress=sys.stderr.isatty(), log=log, stop_after_seconds=args.stop_after)
-    best = record.get("best", {})
-    print(json.dumps({"kind": args.kind, "steps_run": record["steps_run"], "planned_steps": record["planned_steps"],
-                      "seconds": round(record["seconds"], 1), "best": best, "tokens_seen": record["tokens_seen"]}))
+    jobs = []
+    for kind in kinds:
+        k = KIND_SETTINGS[kind]
+        tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
+                         tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"],
+                         max_seconds=args.max_seconds, val_every=args.val_every, seed=args.seed)
+        start = folder(args.resume or args.init, kind)
+        if start is not None:
+            net = BlockDrafterNet.load(start)
+            if net.config.shift_label != k["shift_label"]:
+                p.error(f"{start} is not a {kind} drafter (shift_label {net.config.shift_label})")
+        else:
+            tcfg = target.config
+            net = new_net(BlockDrafterConfig(
+                block_size=args.block_size, shift_label=k["shift_label"],
+                target_layer_ids=spread_layer_ids(target.num_layers, args.num_target_layers),
+                target_hidden_size=target.hidden_size, vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                num_layers=args.num_layers, num_heads=tcfg.num_attention_heads, num_kv_heads=tcfg.num_key_value_heads,
+                head_dim=tcfg.head_dim, intermediate_size=args.intermediate_size, rms_norm_eps=tcfg.rms_norm_eps,
+                rope_theta=tcfg.rope_theta, markov_rank=k["markov_rank"], confidence_head=k["confidence_head"]),
+                target, seed=args.seed)
+        log(f"{kind}: {len(train)} training sequences, {len(val)} validation; "
+            f"{sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters")
+        jobs.append(TrainJob(net, tc, folder(args.out, kind), folder(args.resume, kind), name=kind if len(kinds) > 1 else ""))
+    results = train_block_drafters(target, train, jobs, val=val, progress=sys.stderr.isatty(), log=log,
+                                   stop_after_seconds=args.stop_after)
+    for kind, (net, record) in zip(kinds, results):
+        print(json.dumps({"kind": kind, "steps_run": record["steps_run"], "planned_steps": record["planned_steps"],
+                          "seconds": round(record["seconds"], 1), "best": record.get("best", {}),
+                          "tokens_seen": record["tokens_seen"]}))
     return 0
 
 
