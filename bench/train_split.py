@@ -1,0 +1,93 @@
+"""Where a block-drafter training step's time goes: the target's forward (the hidden states) against
+the drafter's forward and backward, per kind; and what training the kinds side by side saves.
+
+    python bench/train_split.py --device cuda --out DIR           # GPU, bf16 autocast as in training
+    python bench/train_split.py --device cpu --seqs 4 --steps 3   # CPU, fp32
+
+The real SmolLM2-135M target and the shipped checkpoints, on batches of the repo's training data
+(``data/drafter-smollm2-135m``), with the recipe's settings (:data:`KIND_SETTINGS`): for each kind,
+``--steps`` timed steps after one untimed. "side by side" is one target forward plus every kind's
+drafter part (:func:`~specdec.drafters.training.train_block_drafters`), against the kinds trained one
+after the other. Writes ``train_split.md`` and ``.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from results_io import run_header, write_results  # noqa: E402
+from specdec.drafters.block import BlockDrafterNet  # noqa: E402
+from specdec.drafters.data import TokenData  # noqa: E402
+from specdec.drafters.training import (KIND_SETTINGS, TrainConfig, _autocast, _order, _sample_batch,  # noqa: E402
+                                       anchor_range, anchors_from_uniform, block_loss)
+from specdec.target import load_target  # noqa: E402
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seqs", type=int, default=16, help="sequences a step (the recipe's default 16)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per kind")
+    ap.add_argument("--data", default="data/drafter-smollm2-135m")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = load_target("smollm2-135m", dtype=dtype, device=args.device)
+    data = TokenData.load(args.data)
+    order = _order(len(data), 0, 0)
+    rows = []
+    for kind, k in KIND_SETTINGS.items():
+        net = BlockDrafterNet.load(Path("specdec/drafters/checkpoints") / f"smollm2-135m-{kind}").to(dev).float()
+        net.train()
+        tc = TrainConfig(seqs_per_step=args.seqs, tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"])
+        g = torch.Generator().manual_seed(0)
+        fwd, drafter = [], []
+        for i in range(args.steps + 1):
+            sync(dev)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                batch = _sample_batch(target, data, order, args.seqs * i, tc, net.config.target_layer_ids,
+                                      tc.tv_weight > 0)
+            sync(dev)
+            t1 = time.perf_counter()
+            lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
+            anchors = anchors_from_uniform(lo, hi, torch.rand(len(lo), tc.anchors_per_seq, generator=g).to(dev))
+            with _autocast(dev):
+                loss, _ = block_loss(net, target.embed, target.lm_head, batch, anchors, tc,
+                                     target.compute_logits if tc.tv_weight else None)
+            loss.backward()
+            net.zero_grad(set_to_none=True)
+            sync(dev)
+            t2 = time.perf_counter()
+            if i:  # the first step is untimed (kernels, allocator)
+                fwd.append(t1 - t0)
+                drafter.append(t2 - t1)
+        f, d = sum(fwd) / len(fwd), sum(drafter) / len(drafter)
+        rows.append(dict(kind=kind, target_forward_s=f, drafter_s=d, forward_share=f / (f + d)))
+    apart = sum(r["target_forward_s"] + r["drafter_s"] for r in rows)
+    joint = max(r["target_forward_s"] for r in rows) + sum(r["drafter_s"] for r in rows)
+    head = run_header(args.device, str(dtype), f"{args.seqs} sequences a step", f"mean of {args.steps} steps")
+    md = [head, "", "| kind | target forward ms | drafter forward+backward ms | target forward share |",
+          "|---|---|---|---|"]
+    md += [f"| {r['kind']} | {1e3 * r['target_forward_s']:.0f} | {1e3 * r['drafter_s']:.0f} | "
+           f"{100 * r['forward_share']:.0f} % |" for r in rows]
+    md += ["", f"Both kinds one after the other: {1e3 * apart:.0f} ms a step; side by side (one target forward): "
+           f"{1e3 * joint:.0f} ms, {joint / apart:.2f}x."]
+    write_results(args.out, "train_split", "\n".join(md), dict(header=head, rows=rows, apart_s=apart, joint_s=joint))
+
+
+if __name__ == "__main__":
+    main()
