@@ -30,6 +30,7 @@ for part in "$@"; do
   case "$part" in
     smoke)  # a minute: a tiny data build (sampled responses too) and 30 training steps of each kind
       timeout 150 python -m specdec.drafters.data --out /tmp/smoke_data --num-magpie 64 --num-code 64 \
+        --num-grounded 16 --num-math 16 --num-humaneval 8 \
         --sampled-fraction 0.3 --max-new-tokens 48 --batch-size 64 --device cuda 2>&1 | grep -v "it/s\]$" | tail -3
       for kind in dflash dspark; do
         timeout 150 python -m specdec.drafters.training --data /tmp/smoke_data --kind $kind --out /tmp/smoke-$kind \
@@ -41,7 +42,7 @@ for part in "$@"; do
         --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" \
         --num-grounded "${GROUNDED:-10000}" --num-math "${MATH:-5000}" --max-seconds "${DATA_SECONDS:-480}" --save-every 60 --device cuda 2>&1 \
         | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
-      mkdir -p "$OUT/data" && cp "$DATA"/* "$OUT/data/" ;;
+      mkdir -p "$OUT/data" && cp "$DATA"/manifest.json "$DATA"/shard-*.npz "$DATA"/jobs.json.gz "$OUT/data/" ;;
     train)
       if [ "${JOINT:-1}" = 1 ]; then  # both kinds in one process: one target forward a step feeds both
         resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-{kind}"
@@ -59,8 +60,12 @@ for part in "$@"; do
         wait
         tail -5 "$OUT"/train_*.log
       fi
-      for kind in dflash dspark; do
-        rm -rf "$CK/smollm2-135m-$kind" && cp -r /tmp/ck-$kind "$CK/smollm2-135m-$kind"
+      for kind in dflash dspark; do  # only a run that wrote a checkpoint replaces the repo's
+        if [ -f "/tmp/ck-$kind/train_state.json" ]; then
+          rm -rf "$CK/smollm2-135m-$kind" && cp -r "/tmp/ck-$kind" "$CK/smollm2-135m-$kind"
+        else
+          echo "no checkpoint from the $kind run: $CK/smollm2-135m-$kind kept"
+        fi
       done
       # at most 8 files of 16 MiB come back: both checkpoints in one archive, in 15 MiB pieces
       # (locally: cat checkpoints.tar.* | tar -x)

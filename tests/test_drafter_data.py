@@ -118,3 +118,30 @@ def test_math_prompts_are_seeded_distinct_and_have_whole_answers(seed):
         if m := re.search(r"pays with a \$(\d+) bill", p):
             price, n = map(int, re.search(r"for \$(\d+) each\. \w+ buys (\d+)", p).groups())
             assert int(m.group(1)) >= price * n
+
+
+def test_a_save_cut_off_before_its_manifest_leaves_the_last_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_mod, "SHARD_TOKENS", 40)
+    one = TokenData.from_lists([[1, 2, 3] * 5] * 4, [2] * 4, [0] * 4, [0.0] * 4)
+    two = TokenData.from_lists([[7, 8] * 9] * 6, [3] * 6, [1] * 6, [0.8] * 6)
+    one.save(tmp_path)
+    real = type(tmp_path).replace
+
+    def cut(self, target):
+        if str(target).endswith("manifest.json"):
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(type(tmp_path), "replace", cut)
+    with pytest.raises(KeyboardInterrupt):
+        two.save(tmp_path)
+    assert rows(TokenData.load(tmp_path)) == rows(one)
+    monkeypatch.setattr(type(tmp_path), "replace", real)
+    paths = two.save(tmp_path)
+    assert rows(TokenData.load(tmp_path)) == rows(two)
+    assert sorted(p.name for p in tmp_path.glob("shard-*.npz")) == sorted(p.name for p in paths)
+    assert rows(TokenData.load(tmp_path)) == rows(two) and len(two.save(tmp_path)) == len(paths)  # names alternate
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"sequences": 6', '"sequences": 5'))
+    with pytest.raises(data_mod.CheckpointError, match="shards hold 6"):
+        TokenData.load(tmp_path)

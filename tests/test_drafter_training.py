@@ -3,6 +3,7 @@ Markov and confidence heads, validation tau, checkpoints that resume, and the tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -159,6 +160,24 @@ def test_drafters_trained_side_by_side_equal_each_trained_alone(tiny, tmp_path):
                                    progress=False)
     for (_, rec), (_, rec2) in zip(both, resumed):
         assert rec2["lr"] == rec["lr"] and [v["step"] for v in rec2["val"]] == [3, 6]
+
+    # validated every step: wherever a run is cut (before a round's logs), both states name one step
+    seen_steps = []
+
+    def look(msg: str, calls=[]) -> None:
+        calls.append(msg)
+        if len(calls) % 2 == 1 and len(calls) > 1:  # the first log of a round: the last round's states are written
+            seen_steps.append({k: json.loads((tmp_path / "each" / k / "train_state.json").read_text())["step"]
+                               for k in tcs})
+
+    lrs = {"dflash": 1e-7, "dspark": 0.1}  # DFlash hardly moves, DSpark learns: they improve at other steps
+    every = [TrainJob(new_net(cfgs[k], tiny, seed=1), dataclasses.replace(tcs[k], val_every=1, lr=lrs[k]),
+                      tmp_path / "each" / k, name=k) for k in tcs]
+    recs = [rec for _, rec in train_block_drafters(tiny, data, every, val=val, progress=False, log=look)]
+    assert len(seen_steps) == 5 and all(st["dflash"] == st["dspark"] for st in seen_steps)
+    best_steps = [[v["step"] for i, v in enumerate(rec["val"]) if v["tau"] > max([-1] + [w["tau"] for w in
+                                                                                     rec["val"][:i]])] for rec in recs]
+    assert best_steps[0] != best_steps[1]  # the networks improved at different steps: the case this covers
     with pytest.raises(ConfigError, match="seqs_per_step"):
         train_block_drafters(tiny, data, [TrainJob(new_net(cfg(0), tiny), tcs["dflash"]),
                                           TrainJob(new_net(cfg(0), tiny), TrainConfig(steps=6, seqs_per_step=3,

@@ -107,17 +107,28 @@ class TokenData:
                                     self.source[idx].tolist(), self.temperature[idx].tolist(), self.meta)
 
     def save(self, folder: str | Path) -> list[Path]:
-        """Write ``manifest.json`` and ``shard-NN.npz`` files (compressed) under ``folder``."""
+        """Write ``manifest.json`` and ``shard-NN.npz`` files (compressed) under ``folder``.
+
+        Saving again over an earlier save is safe to cut off at any point: the new shards take
+        names the folder's manifest does not list (``shard-NN.npz`` and ``shard-b-NN.npz`` in
+        turn), the manifest is then replaced in one rename, and only after that are the shards
+        it no longer lists deleted; the folder always holds one complete save.
+        """
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        try:
+            listed = set(json.loads((folder / "manifest.json").read_text()).get("shards", []))
+        except (OSError, ValueError):
+            listed = set()
+        tag = "b-" if any(n.startswith("shard-") and not n.startswith("shard-b-") for n in listed) else ""
         paths, start = [], 0
-        while start < len(self) or not paths:  # every file is written under a temporary name first
+        while start < len(self) or not paths:
             end = start
             while end < len(self) and (end == start or self.offsets[end + 1] - self.offsets[start] <= SHARD_TOKENS):
                 end += 1
             a, b = self.offsets[start], self.offsets[end]
-            p = folder / f"shard-{len(paths):02d}.npz"
-            with open(p.with_name(p.name + ".tmp"), "wb") as f:
+            p = folder / f"shard-{tag}{len(paths):02d}.npz"
+            with open(p, "wb") as f:
                 np.savez_compressed(f, tokens=self.tokens[a:b], offsets=self.offsets[start:end + 1] - a,
                                     prompt_lens=self.prompt_lens[start:end], source=self.source[start:end],
                                     temperature=self.temperature[start:end])
@@ -128,10 +139,7 @@ class TokenData:
         manifest = {**self.meta, "sequences": len(self), "tokens": int(self.offsets[-1]),
                     "shards": [p.name for p in paths], "sources": list(SOURCES)}
         (folder / "manifest.json.tmp").write_text(json.dumps(manifest, indent=2))
-        # then renamed, so that a save cut off half-way leaves the last complete one readable
-        for p in paths:
-            p.with_name(p.name + ".tmp").replace(p)
-        (folder / "manifest.json.tmp").replace(folder / "manifest.json")
+        (folder / "manifest.json.tmp").replace(folder / "manifest.json")  # the commit point
         for old in folder.glob("shard-*.npz"):
             if old not in paths:
                 old.unlink()
@@ -162,6 +170,10 @@ class TokenData:
         for p in parts:
             offsets.append(p["offsets"][1:] + base)
             base += int(p["offsets"][-1])
+        n = sum(len(p["prompt_lens"]) for p in parts)
+        if (manifest.get("sequences", n), manifest.get("tokens", base)) != (n, base):
+            raise CheckpointError(f"training data folder {str(folder)!r}: its manifest lists {manifest.get('sequences')} "
+                                  f"sequences and {manifest.get('tokens')} tokens, its shards hold {n} and {base}")
         meta = {k: v for k, v in manifest.items() if k not in ("shards", "sequences", "tokens", "sources")}
         return cls(np.concatenate([p["tokens"] for p in parts]), np.concatenate(offsets),
                    np.concatenate([p["prompt_lens"] for p in parts]), np.concatenate([p["source"] for p in parts]),
@@ -592,11 +604,10 @@ def _make_jobs(engine, settings: dict, log) -> list[dict]:
     math = math_prompts(settings["num_math"], seed=seed)[part::num_parts]
     prompts = [(p, 0) for p in magpie] + [(p, 1) for p in code] + [(p, 2) for p in heval] + [(p, 3) for p in grounded]
     prompts += [(p, 4) for p in math]
-    temps = [0.0] * len(prompts)
-    extra = [(p, s) for p, s in prompts if rng.random() < settings["sampled_fraction"]]
-    temps += [rng.choice((0.7, 0.8, 0.9, 1.0)) for _ in extra]
+    jobs = [(p, s, 0.0) for p, s in prompts]  # the draws in this order: a seed gives the sets it always gave
+    jobs += [(p, s, rng.choice((0.7, 0.8, 0.9, 1.0))) for p, s in prompts if rng.random() < settings["sampled_fraction"]]
     return [{"prompt": p, "source": s, "temperature": t, "seed": rng.randrange(2 ** 31) if t else None}
-            for (p, s), t in zip(prompts + extra, temps)]
+            for p, s, t in jobs]
 
 
 class _Log:
@@ -618,8 +629,8 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
     The prompts are made first and written to :data:`JOBS_FILE` under ``out``; the responses follow,
     saved every ``save_every`` seconds while they are generated and at the end. The same call on the
     same ``out`` later resumes a build that stopped: its prompts are read back and only the
-    responses it lacks are generated (in the order of the jobs, the sequences equal an uninterrupted
-    build's). The manifest's ``complete`` says whether every response is there, ``jobs_done`` which
+    responses it lacks are generated (kept in the order of the jobs; in fp32 greedy they equal an
+    uninterrupted build's, in bf16 another batch make-up may flip near-ties). The manifest's ``complete`` says whether every response is there, ``jobs_done`` which
     are (``[start, stop)`` ranges of job indices).
 
     Args:
@@ -653,7 +664,7 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
     t0 = _now()
     deadline = None if max_seconds is None else t0 + max_seconds
     out, log = Path(out), _Log(progress)
-    settings = {"target": str(getattr(target, "name", "")), "seed": seed, "part": part, "num_parts": num_parts,
+    settings = {"target": str(getattr(target, "name", "")), "dtype": str(getattr(target, "dtype", "")), "seed": seed, "part": part, "num_parts": num_parts,
                 "num_magpie": num_magpie, "num_code": num_code, "num_humaneval": num_humaneval,
                 "num_grounded": num_grounded, "num_math": num_math, "sampled_fraction": sampled_fraction, "max_new_tokens": max_new_tokens,
                 "magpie_tokens": magpie_tokens, "passage_tokens": passage_tokens}
@@ -675,7 +686,9 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
         order = sorted(done)
         counts = {f"num_{name}": sum(1 for j in jobs if j["source"] == k and j["temperature"] == 0)
                   for k, name in enumerate(SOURCES)}
-        meta = {**settings, **counts, "new_tokens": sum(len(done[i][0]) - done[i][1] for i in order),
+        saved = {name: sum(1 for i in order if jobs[i]["source"] == k) for k, name in enumerate(SOURCES)}
+        meta = {**settings, **counts, "saved_by_source": saved,
+                "new_tokens": sum(len(done[i][0]) - done[i][1] for i in order),
                 "jobs_total": len(jobs), "jobs_done": _ranges(order), "complete": len(order) == len(jobs),
                 "generate_seconds": round(before["generate_seconds"] + gen_s, 1), "calls": before["calls"] + 1,
                 "evaluation_sets_excluded": ["HumanEval 100-163", "Spec-Bench"]}
@@ -706,10 +719,12 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
                         done[req.pop(o.req_id)] = (list(r.prompt_token_ids) + list(r.token_ids), len(r.prompt_token_ids))
                         if bar is not None:
                             bar.total -= max_new_tokens - len(r.token_ids)
+                            bar.refresh()
                 gen_s = _now() - t1
                 if save_every is not None and _now() - last_save >= save_every:
                     save()
                     last_save = _now()
+                    log(f"saved {len(done)} of {len(jobs)} responses ({last_save - t0:.0f} s)")
         except KeyboardInterrupt:
             gen_s = _now() - t1
             save()

@@ -445,8 +445,10 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
 
     The networks share :data:`SHARED_SETTINGS` of their :class:`TrainConfig` and the target layers
     they read; learning rate, anchors per sequence and the loss mix are each one's own. With
-    ``max_seconds`` the plan is what fits the budget at the joint step's time. Resumed jobs must
-    come from one joint run (the same step and plan); ``resume`` all of them or none.
+    ``max_seconds`` the plan is what fits the budget at the joint step's time. Whenever one network
+    checkpoints, the others' states move to the same step (their folders keep their best weights),
+    so a run cut off anywhere resumes all of them from one step, each from its best weights. Resumed
+    jobs must come from one joint run (the same step and plan); ``resume`` all of them or none.
 
     Returns:
         ``(net, record)`` per job, in order (see :func:`train_block_drafter`).
@@ -569,10 +571,12 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
                             acc="/".join(f"{m['acc']:.2f}" for _, m in results))
         last = step == planned
         if val is not None and len(val) and (last or (tc0.val_every and step % tc0.val_every == 0)):
+            improved = []
             for r, (loss, _) in zip(runs, results):
                 v = {"step": step, **simulated_tau(r.net, target, val, r.tc)}
                 r.record["val"].append(v)
                 if v["tau"] > r.best:
+                    improved.append(r)
                     r.best = v["tau"]
                     r.best_state = {k: t.detach().clone() for k, t in r.net.state_dict().items()}
                     r.record["best"] = v
@@ -582,6 +586,10 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
                         _save(r.net, r.job.out, r.record, step, planned, epoch, cursor)
                 log(f"{r.name + ': ' if r.name else ''}step {step}/{planned}: loss {loss:.3f}, "
                     f"val tau {v['tau']:.3f} (best {r.best:.3f})")
+            if improved and len(runs) > 1:  # one resume point for all: the others' states move to this step
+                for r in runs:             # (their folders keep their best weights)
+                    if r not in improved and r.job.out is not None:
+                        _write_state(Path(r.job.out), r.record, step, planned, epoch, cursor)
         if stop_after_seconds is not None and time.perf_counter() - t_wall > stop_after_seconds:
             log(f"stopping at step {step} of {planned} after {stop_after_seconds:.0f} s: resume to continue")
             break
