@@ -448,17 +448,23 @@ def test_magpie_filter(text, ok):
     assert keep_message(text) is ok
 
 
-def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory, capsys):
-    from specdec.drafters.training import main
-
+@pytest.fixture(scope="module")
+def cli_args(tmp_path_factory) -> list[str]:
+    """The training command's flags for a tiny target and toy data, both written here."""
     tpath = tmp_path_factory.mktemp("cli_target")
     tiny_llama(tpath, "cpu")
     data_dir = tmp_path_factory.mktemp("cli_data")
     toy_data(16).save(data_dir)
+    return ["--data", str(data_dir), "--target", str(tpath), "--num-layers", "1", "--intermediate-size", "32",
+            "--num-target-layers", "2", "--device", "cpu", "--dtype", "float32", "--seqs-per-step", "2",
+            "--anchors", "2", "--val-every", "2", "--val-fraction", "0.3", "--block-size", "4"]
+
+
+def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory, capsys, cli_args):
+    from specdec.drafters.training import main
+
     out = tmp_path_factory.mktemp("cli_out")
-    common = ["--data", str(data_dir), "--target", str(tpath), "--num-layers", "1", "--intermediate-size", "32",
-              "--num-target-layers", "2", "--device", "cpu", "--dtype", "float32", "--seqs-per-step", "2",
-              "--anchors", "2", "--val-every", "2", "--val-fraction", "0.3", "--block-size", "4"]
+    common = cli_args
     assert main(common + ["--kind", "dspark", "--out", str(out), "--steps", "4"]) == 0
     rec = json.loads((out / "training.json").read_text())
     assert rec["steps_run"] == 4 and rec["planned_steps"] == 4 and len(rec["val"]) == 2
@@ -476,17 +482,11 @@ def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory,
         main(["--data", str(tmp_path_factory.mktemp("empty")), "--out", str(more), "--device", "cpu"])
 
 
-def test_training_command_trains_two_kinds_side_by_side(tmp_path_factory, capsys):
+def test_training_command_trains_two_kinds_side_by_side(tmp_path_factory, capsys, cli_args):
     from specdec.drafters.training import main
 
-    tpath = tmp_path_factory.mktemp("cli2_target")
-    tiny_llama(tpath, "cpu")
-    data_dir = tmp_path_factory.mktemp("cli2_data")
-    toy_data(16).save(data_dir)
     out = tmp_path_factory.mktemp("cli2_out")
-    common = ["--data", str(data_dir), "--target", str(tpath), "--num-layers", "1", "--intermediate-size", "32",
-              "--num-target-layers", "2", "--device", "cpu", "--dtype", "float32", "--seqs-per-step", "2",
-              "--anchors", "2", "--val-every", "2", "--val-fraction", "0.3", "--block-size", "4", "--steps", "2"]
+    common = cli_args + ["--steps", "2"]
     assert main(common + ["--kind", "dflash,dspark", "--out", str(out / "ck-{kind}")]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-2:]]
     assert [x["kind"] for x in lines] == ["dflash", "dspark"] and all(x["steps_run"] == 2 for x in lines)
