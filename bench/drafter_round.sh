@@ -14,6 +14,7 @@
 #                                       # one call of at most 9.5 minutes
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
+#   bash bench/drafter_round.sh hostprofile # e2e at batch 1 with cProfile of each drafter's host functions
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
 # Knobs: MAGPIE, CODE, GROUNDED, MATH (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
@@ -96,6 +97,10 @@ for part in "$@"; do
         --max-new-tokens 256 --batch-sizes "${BATCHES:-1,8}" --skip-hf --out "$OUT/e2e_device_drafts" \
         --drafters null,suffix,dflash,dflash+devdrafts,dspark,dspark+devdrafts,hybrid+dflash,hybrid+dflash+devdrafts \
         2>&1 | grep "^|\|^- " ;;
+    hostprofile)  # where a learned drafter's propose spends its host time: cProfile over 8 prompts at batch 1
+      timeout "${EVAL_TIMEOUT:-300}" python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-131 \
+        --max-new-tokens 256 --batch-sizes 1 --skip-hf --cprofile 8 --out "$OUT/e2e_hostprofile" \
+        --drafters null,suffix,dflash,dspark,hybrid+dflash 2>&1 | grep "^|\|^- " ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
