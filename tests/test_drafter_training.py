@@ -117,6 +117,23 @@ def test_a_resumed_run_continues_the_same_curve(tiny, tmp_path):
         train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, resume=tmp_path / "nothing", progress=False)
 
 
+def test_validation_reports_tau_per_source_and_plots_it(tiny, tmp_path):
+    from specdec.drafters.training import plot_training
+
+    train = distill_tokens(tiny, toy_prompts()[:9], max_new_tokens=24)
+    val = TokenData.from_lists([train.sequence(i).tolist() for i in range(9)], train.prompt_lens.tolist(),
+                               [0, 1, 4] * 3, [0.0] * 9)
+    net, _ = train_block_drafter(tiny, train, new_net(cfg(0), tiny), TrainConfig(steps=40, seqs_per_step=4,
+                                 anchors_per_seq=8, lr=1e-2, val_every=0), progress=False)
+    out = simulated_tau(net, tiny, val, TrainConfig(val_anchors=5))
+    by, n = out["tau_by_source"], out["anchors_by_source"]
+    assert set(by) == set(n) == {"magpie", "code", "math"} and sum(n.values()) == out["anchors"]
+    assert sum(by[k] * n[k] for k in by) / out["anchors"] == pytest.approx(out["tau"])
+    assert len({round(v, 6) for v in by.values()}) > 1  # the sources differ: their means are their own
+    record = {"losses": [1.0, 0.9], "lr": [1e-3, 1e-3], "val": [{"step": 1, **out}, {"step": 2, **out}]}
+    assert plot_training(record, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_fresh_network_depends_on_its_seed_only(tiny):
     torch.manual_seed(1)
     a = new_net(dspark_cfg(), tiny, seed=3).state_dict()

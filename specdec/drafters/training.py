@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from specdec.drafters.block import draft_from_hidden, init_weights, label_offsets, output_slots, slot_logits
-from specdec.drafters.data import TokenData
+from specdec.drafters.data import SOURCES, TokenData
 from specdec.errors import CheckpointError, ConfigError
 from specdec.layers import rope_cos_sin
 
@@ -307,14 +307,16 @@ def simulated_tau(net, target, data: TokenData, tc: TrainConfig, seqs_per_batch:
     bonus token; drafts are decoded as at inference (:func:`draft_from_hidden`).
 
     Returns:
-        ``tau``, ``anchors``, and with a confidence head ``conf_ece`` (expected calibration error of
-        the per-slot acceptance probabilities, 10 bins) and ``conf_mean`` / ``hit_mean``.
+        ``tau``, ``anchors``, ``tau_by_source`` and ``anchors_by_source`` (the mean and the anchors
+        per prompt source of ``data``, e.g. code or math, for the sources it holds), and with a confidence head ``conf_ece`` (expected
+        calibration error of the per-slot acceptance probabilities, 10 bins) and ``conf_mean`` /
+        ``hit_mean``.
     """
     c = net.config
     offsets = label_offsets(c.block_size, c.shift_label)
     slots = list(output_slots(c.block_size, c.shift_label))
     g = torch.Generator(device="cpu").manual_seed(tc.seed + 1)
-    taus, confs, hits = [], [], []
+    taus, confs, hits, sources = [], [], [], []
     was_training = net.training
     net.eval()
     for start in range(0, len(data), seqs_per_batch):
@@ -337,6 +339,7 @@ def simulated_tau(net, target, data: TokenData, tc: TrainConfig, seqs_per_batch:
         match = (toks == labels) & (labels != -100)
         run = match.long().cumprod(1)  # 1 while every draft so far matched
         taus.append((1 + run.sum(1))[ok].float().cpu())
+        sources.append(torch.as_tensor(data.source[list(idx)]).repeat_interleave(tc.val_anchors)[ok.cpu()])
         if conf is not None:  # calibration of P(accept slot j | slots < j accepted)
             prior = torch.cat([torch.ones_like(run[:, :1]), run[:, :-1]], 1).bool() & (labels != -100)
             sel = prior & ok[:, None]
@@ -345,6 +348,10 @@ def simulated_tau(net, target, data: TokenData, tc: TrainConfig, seqs_per_batch:
     net.train(was_training)
     tau = torch.cat(taus)
     out = {"tau": tau.mean().item() if len(tau) else float("nan"), "anchors": len(tau)}
+    if taus:
+        src = torch.cat(sources)
+        out["tau_by_source"] = {SOURCES[k]: tau[src == k].mean().item() for k in sorted(set(src.tolist()))}
+        out["anchors_by_source"] = {SOURCES[k]: int((src == k).sum()) for k in sorted(set(src.tolist()))}
     if confs:
         cf, ht = torch.cat(confs), torch.cat(hits)
         bins = (cf * 10).clamp(max=9.999).long()
@@ -657,7 +664,13 @@ def plot_training(record: dict, path: str | Path) -> Path | None:
     axes[1].plot(range(1, len(record["lr"]) + 1), record["lr"])
     axes[1].set(title="learning rate", xlabel="step")
     if record["val"]:
-        axes[2].plot([v["step"] for v in record["val"]], [v["tau"] for v in record["val"]], marker="o")
+        axes[2].plot([v["step"] for v in record["val"]], [v["tau"] for v in record["val"]], marker="o", label="all")
+        names = sorted({n for v in record["val"] for n in v.get("tau_by_source", {})})
+        for name in names if len(names) > 1 else ():
+            pts = [(v["step"], v["tau_by_source"][name]) for v in record["val"] if name in v.get("tau_by_source", {})]
+            axes[2].plot(*zip(*pts), linestyle="--", linewidth=1, label=name)
+        if len(names) > 1:
+            axes[2].legend(fontsize=7)
     axes[2].set(title="validation tau (simulated)", xlabel="step")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
