@@ -308,57 +308,85 @@ def simulated_tau(net, target, data: TokenData, tc: TrainConfig, seqs_per_batch:
 
     Returns:
         ``tau``, ``anchors``, ``tau_by_source`` and ``anchors_by_source`` (the mean and the anchors
-        per prompt source of ``data``, e.g. code or math, for the sources it holds), and with a confidence head ``conf_ece`` (expected
-        calibration error of the per-slot acceptance probabilities, 10 bins) and ``conf_mean`` /
-        ``hit_mean``.
+        per prompt source of ``data``, e.g. code or math, for the sources it holds), and with a
+        confidence head ``conf_ece`` (expected calibration error of the per-slot acceptance
+        probabilities, 10 bins) and ``conf_mean`` / ``hit_mean``.
     """
-    c = net.config
-    offsets = label_offsets(c.block_size, c.shift_label)
-    slots = list(output_slots(c.block_size, c.shift_label))
-    g = torch.Generator(device="cpu").manual_seed(tc.seed + 1)
-    taus, confs, hits, sources = [], [], [], []
-    was_training = net.training
-    net.eval()
-    for start in range(0, len(data), seqs_per_batch):
-        idx = range(start, min(len(data), start + seqs_per_batch))
-        seqs = [data.sequence(i)[: tc.max_len].tolist() for i in idx]
-        batch = target_features(target, seqs, [int(data.prompt_lens[i]) for i in idx], net.config.target_layer_ids,
-                                with_final=False)
-        batch.feats = batch.feats.to(net.fc.weight.dtype)
+    return simulated_taus([net], target, data, [tc], seqs_per_batch)[0]
+
+
+class _TauCounts:
+    """One network's validation tallies (:func:`simulated_taus`)."""
+
+    def __init__(self, net, tc: TrainConfig):
+        self.net, self.tc = net, tc
+        self.offsets = label_offsets(net.config.block_size, net.config.shift_label)
+        self.slots = list(output_slots(net.config.block_size, net.config.shift_label))
+        self.g = torch.Generator(device="cpu").manual_seed(tc.seed + 1)
+        self.taus, self.confs, self.hits, self.sources = [], [], [], []
+
+    def add(self, target, batch: FeatureBatch, source: torch.Tensor) -> None:
+        """Draft at fresh anchors of ``batch`` (whose sequences came from ``source`` ``[S]``)."""
+        net, tc = self.net, self.tc
+        batch = FeatureBatch(batch.tokens, batch.lengths, batch.prompt_lens, batch.feats.to(net.fc.weight.dtype))
         lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
-        u = torch.rand(len(seqs), tc.val_anchors, generator=g).to(lo.device)
+        u = torch.rand(len(lo), tc.val_anchors, generator=self.g).to(lo.device)
         anchors = anchors_from_uniform(lo, hi, u)
         with _autocast(target.device):
-            h = block_hidden(net, target.embed, batch, anchors)[:, :, slots]  # [S, A, W, D]
+            h = block_hidden(net, target.embed, batch, anchors)[:, :, self.slots]  # [S, A, W, D]
             S, A, W, D = h.shape
             first = batch.tokens.gather(1, anchors.clamp(min=0))
             toks, conf = draft_from_hidden(net, h.reshape(S * A, W, D), first.flatten(), target.lm_head,
                                            target.embed, with_confidence=True)
-        labels = block_labels(batch.tokens, batch.lengths, anchors, offsets).view(S * A, W)
+        labels = block_labels(batch.tokens, batch.lengths, anchors, self.offsets).view(S * A, W)
         ok = anchors.flatten() >= 0
         match = (toks == labels) & (labels != -100)
         run = match.long().cumprod(1)  # 1 while every draft so far matched
-        taus.append((1 + run.sum(1))[ok].float().cpu())
-        sources.append(torch.as_tensor(data.source[list(idx)]).repeat_interleave(tc.val_anchors)[ok.cpu()])
+        self.taus.append((1 + run.sum(1))[ok].float().cpu())
+        self.sources.append(source.repeat_interleave(tc.val_anchors)[ok.cpu()])
         if conf is not None:  # calibration of P(accept slot j | slots < j accepted)
             prior = torch.cat([torch.ones_like(run[:, :1]), run[:, :-1]], 1).bool() & (labels != -100)
             sel = prior & ok[:, None]
-            confs.append(conf[sel].float().cpu())
-            hits.append(match[sel].float().cpu())
-    net.train(was_training)
-    tau = torch.cat(taus)
-    out = {"tau": tau.mean().item() if len(tau) else float("nan"), "anchors": len(tau)}
-    if taus:
-        src = torch.cat(sources)
-        out["tau_by_source"] = {SOURCES[k]: tau[src == k].mean().item() for k in sorted(set(src.tolist()))}
-        out["anchors_by_source"] = {SOURCES[k]: int((src == k).sum()) for k in sorted(set(src.tolist()))}
-    if confs:
-        cf, ht = torch.cat(confs), torch.cat(hits)
-        bins = (cf * 10).clamp(max=9.999).long()
-        ece = sum((cf[bins == b].mean() - ht[bins == b].mean()).abs().item() * (bins == b).sum().item()
-                  for b in range(10) if (bins == b).any()) / max(1, len(cf))
-        out.update(conf_ece=ece, conf_mean=cf.mean().item(), hit_mean=ht.mean().item())
-    return out
+            self.confs.append(conf[sel].float().cpu())
+            self.hits.append(match[sel].float().cpu())
+
+    def result(self) -> dict[str, float]:
+        tau = torch.cat(self.taus) if self.taus else torch.zeros(0)
+        out = {"tau": tau.mean().item() if len(tau) else float("nan"), "anchors": len(tau)}
+        if self.taus:
+            src = torch.cat(self.sources)
+            kinds = sorted(set(src.tolist()))
+            out["tau_by_source"] = {SOURCES[k]: tau[src == k].mean().item() for k in kinds}
+            out["anchors_by_source"] = {SOURCES[k]: int((src == k).sum()) for k in kinds}
+        if self.confs:
+            cf, ht = torch.cat(self.confs), torch.cat(self.hits)
+            bins = (cf * 10).clamp(max=9.999).long()
+            ece = sum((cf[bins == b].mean() - ht[bins == b].mean()).abs().item() * (bins == b).sum().item()
+                      for b in range(10) if (bins == b).any()) / max(1, len(cf))
+            out.update(conf_ece=ece, conf_mean=cf.mean().item(), hit_mean=ht.mean().item())
+        return out
+
+
+@torch.no_grad()
+def simulated_taus(nets, target, data: TokenData, tcs: list[TrainConfig], seqs_per_batch: int = 16) -> list[dict]:
+    """:func:`simulated_tau` of several networks that read the same target layers, with one target
+    forward per batch of ``data`` for all of them (each draws its anchors as it would alone, so
+    each result equals its own :func:`simulated_tau`). The sequences are cut to the first config's
+    ``max_len``."""
+    counts = [_TauCounts(net, tc) for net, tc in zip(nets, tcs)]
+    was_training = [net.training for net in nets]
+    for net in nets:
+        net.eval()
+    layer_ids, max_len = nets[0].config.target_layer_ids, tcs[0].max_len
+    for start in range(0, len(data), seqs_per_batch):
+        idx = list(range(start, min(len(data), start + seqs_per_batch)))
+        seqs = [data.sequence(i)[:max_len].tolist() for i in idx]
+        batch = target_features(target, seqs, [int(data.prompt_lens[i]) for i in idx], layer_ids, with_final=False)
+        for cnt in counts:
+            cnt.add(target, batch, torch.as_tensor(data.source[idx]))
+    for net, was in zip(nets, was_training):
+        net.train(was)
+    return [cnt.result() for cnt in counts]
 
 
 def _autocast(device: torch.device):
@@ -538,8 +566,7 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
         val_s = 0.0
         if val is not None and len(val):
             t1 = time.perf_counter()
-            for r in runs:
-                simulated_tau(r.net, target, val, r.tc)
+            simulated_taus([r.net for r in runs], target, val, [r.tc for r in runs])
             _sync(dev)
             val_s = time.perf_counter() - t1
         n_val = lambda n: (n // tc0.val_every if tc0.val_every else 0) + 1  # noqa: E731
@@ -579,8 +606,9 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
         last = step == planned
         if val is not None and len(val) and (last or (tc0.val_every and step % tc0.val_every == 0)):
             improved = []
-            for r, (loss, _) in zip(runs, results):
-                v = {"step": step, **simulated_tau(r.net, target, val, r.tc)}
+            taus = simulated_taus([r.net for r in runs], target, val, [r.tc for r in runs])
+            for r, (loss, _), tau in zip(runs, results, taus):
+                v = {"step": step, **tau}
                 r.record["val"].append(v)
                 if v["tau"] > r.best:
                     improved.append(r)
