@@ -72,8 +72,9 @@ for part in "$@"; do
       # (locally: cat checkpoints.tar.* | tar -x)
       tar -C /tmp -cf - ck-dflash ck-dspark | split -b 15M -d -a 1 - "$OUT/checkpoints.tar." ;;
     round)  # one call: train both kinds from the repo's checkpoints (INIT) for $SECONDS_BUDGET (default 240) on the
-            # repo's data sets, then e2e at batch 1 and 8 with the new weights beside null and suffix
-      DATA="${DATA_SETS:-data/drafter-smollm2-135m data/drafter-smollm2-135m-b}" INIT=1 \
+            # repo's data sets (every data/drafter-smollm2-135m*/, or DATA_SETS), then e2e at batch 1 and 8 with the
+            # new weights beside null and suffix
+      DATA="${DATA_SETS:-$(ls -d data/drafter-smollm2-135m*/ | tr '\n' ' ')}" INIT=1 \
         SECONDS_BUDGET="${SECONDS_BUDGET:-240}" bash "$0" train
       timeout 270 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes "${BATCHES:-1,8}" --drafters null,suffix,dflash,dspark,hybrid,hybrid+nocost,hybrid+dflash --skip-hf \
