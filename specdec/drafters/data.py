@@ -347,16 +347,19 @@ def _math_problem(rng: random.Random) -> str:
     if kind == 1:
         price, n = r(2, 25), r(2, 9)
         bill = next(v for v in (10, 20, 50, 100, 200, 500) if v >= price * n)
-        return f"A shop sells {item} for ${price} each. {a} buys {n} and pays with a ${bill} bill. How much change does {a} get?"
+        return (f"A shop sells {item} for ${price} each. {a} buys {n} and pays with a ${bill} bill. "
+                f"How much change does {a} get?")
     if kind == 2:
         speed, t, t2 = r(30, 90), r(2, 6), r(2, 9)
-        return f"A train travels {speed * t} miles in {t} hours. At the same speed, how far does it travel in {t2} hours?"
+        return (f"A train travels {speed * t} miles in {t} hours. At the same speed, how far does it travel "
+                f"in {t2} hours?")
     if kind == 3:
         return (f"{a} earns ${r(9, 40)} per hour and works {r(10, 45)} hours a week. "
                 f"How much does {a} earn in {r(2, 12)} weeks?")
     if kind == 4:
         return (f"A {rng.choice(('jacket', 'lamp', 'bicycle', 'backpack', 'chair', 'watch'))} costs "
-                f"${r(2, 40) * 10}. It is on sale for {rng.choice((10, 15, 20, 25, 30, 40, 50))}% off. What is the sale price?")
+                f"${r(2, 40) * 10}. It is on sale for {rng.choice((10, 15, 20, 25, 30, 40, 50))}% off. "
+                "What is the sale price?")
     if kind == 5:
         lo, hi = sorted(rng.sample(range(3, 120), 2))
         return f"The sum of two numbers is {lo + hi} and their difference is {hi - lo}. What are the two numbers?"
@@ -418,7 +421,8 @@ def _math_problem(rng: random.Random) -> str:
         return f"Find the {rng.choice(('greatest common divisor', 'least common multiple'))} of {x} and {y}."
     if kind == 22:
         g, per = r(2, 15), r(20, 40)
-        return f"A car uses {g} gallons of fuel to drive {g * per} miles. How many gallons does it need for {per * r(2, 30)} miles?"
+        return (f"A car uses {g} gallons of fuel to drive {g * per} miles. How many gallons does it need for "
+                f"{per * r(2, 30)} miles?")
     slices = rng.choice((6, 8, 10, 12))
     x, y = r(1, slices // 2), r(1, slices // 2)
     return (f"A pizza is cut into {slices} equal slices. {a} eats {x} and {b} eats {y}. "
@@ -630,7 +634,8 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
     saved every ``save_every`` seconds while they are generated and at the end. The same call on the
     same ``out`` later resumes a build that stopped: its prompts are read back and only the
     responses it lacks are generated (kept in the order of the jobs; in fp32 greedy they equal an
-    uninterrupted build's, in bf16 another batch make-up may flip near-ties). The manifest's ``complete`` says whether every response is there, ``jobs_done`` which
+    uninterrupted build's, in bf16 another batch make-up may flip near-ties). The manifest's
+    ``complete`` says whether every response is there, ``jobs_done`` which
     are (``[start, stop)`` ranges of job indices).
 
     Args:
@@ -664,9 +669,10 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
     t0 = _now()
     deadline = None if max_seconds is None else t0 + max_seconds
     out, log = Path(out), _Log(progress)
-    settings = {"target": str(getattr(target, "name", "")), "dtype": str(getattr(target, "dtype", "")), "seed": seed, "part": part, "num_parts": num_parts,
-                "num_magpie": num_magpie, "num_code": num_code, "num_humaneval": num_humaneval,
-                "num_grounded": num_grounded, "num_math": num_math, "sampled_fraction": sampled_fraction, "max_new_tokens": max_new_tokens,
+    settings = {"target": str(getattr(target, "name", "")), "dtype": str(getattr(target, "dtype", "")),
+                "seed": seed, "part": part, "num_parts": num_parts, "num_magpie": num_magpie, "num_code": num_code,
+                "num_humaneval": num_humaneval, "num_grounded": num_grounded, "num_math": num_math,
+                "sampled_fraction": sampled_fraction, "max_new_tokens": max_new_tokens,
                 "magpie_tokens": magpie_tokens, "passage_tokens": passage_tokens}
     jobs = _load_jobs(out, settings)
     done: dict[int, tuple[list[int], int]] = {}  # job -> (prompt + response ids, prompt length)
