@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -45,7 +46,13 @@ def test_an_uninterrupted_build_is_complete_and_reads_back(whole):
     assert not list(out.glob("*.tmp"))
 
 
+def same_prompts(whole, folder):
+    """Start ``folder`` with the whole build's jobs file: a build there makes no prompts (faster)."""
+    shutil.copy(whole[0] / JOBS_FILE, folder / JOBS_FILE)
+
+
 def test_a_build_cut_by_its_time_budget_resumes_to_the_uninterrupted_one(smollm2, whole, tmp_path, monkeypatch):
+    same_prompts(whole, tmp_path)
     clock = itertools.count()  # each reading of the clock is one second later
     monkeypatch.setattr(data_mod, "_now", lambda: float(next(clock)))
     cut = build(smollm2, tmp_path, max_seconds=40, save_every=None, **SMALL)
@@ -62,6 +69,7 @@ def test_a_build_cut_by_its_time_budget_resumes_to_the_uninterrupted_one(smollm2
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
 def test_a_stopped_build_keeps_what_it_saved_and_resumes(smollm2, whole, tmp_path, monkeypatch, stop):
     """Ctrl-C (or SIGTERM under the command) saves what is finished; a crash keeps the last periodic save."""
+    same_prompts(whole, tmp_path)
     clock, steps, real_step = itertools.count(), itertools.count(1), SpecEngine.step
 
     def step(self):
