@@ -626,7 +626,7 @@ class _Log:
 def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fraction: float = 0.25,
           max_new_tokens: int = 384, batch_size: int = 256, seed: int = 0, kv_cache_bytes: int | None = None,
           progress: bool = True, magpie_tokens: int = 64, part: int = 0, num_parts: int = 1,
-          num_grounded: int = 0, passage_tokens: int = 192, num_humaneval: int = len(range(0, 100)),
+          num_grounded: int = 0, passage_tokens: int = 192, num_humaneval: int = 100,
           max_seconds: float | None = None, save_every: float | None = 120.0, num_math: int = 0) -> TokenData:
     """Build the training data and save it under ``out`` (see the module docstring).
 
@@ -690,8 +690,6 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
 
     def save() -> TokenData:
         order = sorted(done)
-        counts = {f"num_{name}": sum(1 for j in jobs if j["source"] == k and j["temperature"] == 0)
-                  for k, name in enumerate(SOURCES)}
         saved = {name: sum(1 for i in order if jobs[i]["source"] == k) for k, name in enumerate(SOURCES)}
         meta = {**settings, **counts, "saved_by_source": saved,
                 "new_tokens": sum(len(done[i][0]) - done[i][1] for i in order),
@@ -709,6 +707,8 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
             _save_jobs(out, settings, jobs)
         else:
             log(f"resuming {str(out)!r}: {len(done)} of {len(jobs)} responses are there")
+        counts = {f"num_{name}": sum(1 for j in jobs if j["source"] == k and j["temperature"] == 0)
+                  for k, name in enumerate(SOURCES)}  # greedy prompts of each source
         todo = [i for i in range(len(jobs)) if i not in done]
         req = {engine.add_request(jobs[i]["prompt"], SamplingParams(
             max_new_tokens=max_new_tokens, temperature=jobs[i]["temperature"], seed=jobs[i]["seed"]), chat=True): i
