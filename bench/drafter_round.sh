@@ -10,8 +10,13 @@
 #                                       # process each), into specdec/drafters/checkpoints/ (RESUME=1: continue the
 #                                       # checkpoints there); both checkpoint folders come back as
 #                                       # $OUT/checkpoints.tar.N pieces (cat them | tar -x), with the logs
+#                                       # STEPS=N plans N steps instead and stops after $SECONDS_BUDGET: a plan
+#                                       # longer than one call, continued by the next with RESUME=1 (carry the
+#                                       # checkpoints it brought back into specdec/drafters/checkpoints/)
 #   bash bench/drafter_round.sh round   # train (INIT=1, SECONDS_BUDGET 240, the repo's data) then e2e at batch 1 and 8:
-#                                       # one call of at most 9.5 minutes
+#                                       # one call of at most 9.5 minutes (with RESUME=1 it continues their plan)
+#   bash bench/drafter_round.sh trainsplit # a training step's parts on the GPU at 16, 32 and 64 sequences a step
+#                                       # (bench/train_split.py): side by side against one kind after the other
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
 #   bash bench/drafter_round.sh hostprofile # e2e at batch 1 with cProfile of each drafter's host functions
@@ -20,7 +25,7 @@
 # Knobs: MAGPIE, CODE, GROUNDED, MATH (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
 # SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
 # for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs);
-# LR (peak learning rate, default 1e-3).
+# LR (peak learning rate, default 1e-3); SEQS (sequences a training step, default 16).
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -45,18 +50,22 @@ for part in "$@"; do
         | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/manifest.json "$DATA"/shard-*.npz "$DATA"/jobs.json.gz "$OUT/data/" ;;
     train)
+      # a plan of $STEPS steps cut after $SECONDS_BUDGET (continued by RESUME=1), or a plan fitted to the budget
+      plan="--max-seconds ${SECONDS_BUDGET:-420}"
+      [ -n "${STEPS:-}" ] && plan="--steps $STEPS --stop-after ${SECONDS_BUDGET:-420}"
+      plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16}"
       if [ "${JOINT:-1}" = 1 ]; then  # both kinds in one process: one target forward a step feeds both
         resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-{kind}"
-        [ -n "${INIT:-}" ] && resume="--init $CK/smollm2-135m-{kind}"
+        [ -n "${INIT:-}" ] && [ -z "${RESUME:-}" ] && resume="--init $CK/smollm2-135m-{kind}"
         timeout 580 python -m specdec.drafters.training --data $DATA --kind dflash,dspark --out "/tmp/ck-{kind}" \
-          --max-seconds "${SECONDS_BUDGET:-420}" --lr "${LR:-1e-3}" $resume > "$OUT/train.log" 2>&1
+          $plan $resume > "$OUT/train.log" 2>&1
         tail -8 "$OUT/train.log"
       else  # JOINT=0: one process per kind, side by side on the GPU
         for kind in dflash dspark; do
           resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
-          [ -n "${INIT:-}" ] && resume="--init $CK/smollm2-135m-$kind"
+          [ -n "${INIT:-}" ] && [ -z "${RESUME:-}" ] && resume="--init $CK/smollm2-135m-$kind"
           timeout 580 python -m specdec.drafters.training --data $DATA --kind $kind --out "/tmp/ck-$kind" \
-            --max-seconds "${SECONDS_BUDGET:-420}" --lr "${LR:-1e-3}" $resume > "$OUT/train_$kind.log" 2>&1 &
+            $plan $resume > "$OUT/train_$kind.log" 2>&1 &
         done
         wait
         tail -5 "$OUT"/train_*.log
@@ -98,6 +107,11 @@ for part in "$@"; do
         --max-new-tokens 256 --batch-sizes "${BATCHES:-1,8}" --skip-hf --out "$OUT/e2e_device_drafts" \
         --drafters null,suffix,dflash,dflash+devdrafts,dspark,dspark+devdrafts,hybrid+dflash,hybrid+dflash+devdrafts \
         2>&1 | grep "^|\|^- " ;;
+    trainsplit)  # where a training step's time goes on the GPU, and what side by side saves, by batch size
+      for seqs in ${SPLIT_SEQS:-16 32 64}; do
+        timeout 180 python bench/train_split.py --device cuda --seqs "$seqs" --steps 10 --out "$OUT/train_split_$seqs" \
+          --data data/drafter-smollm2-135m-c 2>&1 | grep -v "^$" | tail -4 | tee -a "$OUT/train_split.txt"
+      done ;;
     hostprofile)  # where a learned drafter's propose spends its host time: cProfile over 8 prompts at batch 1
       timeout "${EVAL_TIMEOUT:-300}" python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-131 \
         --max-new-tokens 256 --batch-sizes 1 --skip-hf --cprofile 8 --out "$OUT/e2e_hostprofile" \

@@ -54,7 +54,7 @@ def main() -> None:
         net.train()
         tc = TrainConfig(seqs_per_step=args.seqs, tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"])
         g = torch.Generator().manual_seed(0)
-        fwd, drafter = [], []
+        fwd, drafter, toks = [], [], []
         for i in range(args.steps + 1):
             sync(dev)
             t0 = time.perf_counter()
@@ -75,8 +75,10 @@ def main() -> None:
             if i:  # the first step is untimed (kernels, allocator)
                 fwd.append(t1 - t0)
                 drafter.append(t2 - t1)
+                toks.append(int(batch.lengths.sum()))
         f, d = sum(fwd) / len(fwd), sum(drafter) / len(drafter)
-        rows.append(dict(kind=kind, target_forward_s=f, drafter_s=d, forward_share=f / (f + d)))
+        rows.append(dict(kind=kind, target_forward_s=f, drafter_s=d, forward_share=f / (f + d),
+                         tokens_per_step=sum(toks) / len(toks)))
     apart = sum(r["target_forward_s"] + r["drafter_s"] for r in rows)
     joint = max(r["target_forward_s"] for r in rows) + sum(r["drafter_s"] for r in rows)
     head = run_header(args.device, str(dtype), f"{args.seqs} sequences a step", f"mean of {args.steps} steps")
@@ -84,8 +86,10 @@ def main() -> None:
           "|---|---|---|---|"]
     md += [f"| {r['kind']} | {1e3 * r['target_forward_s']:.0f} | {1e3 * r['drafter_s']:.0f} | "
            f"{100 * r['forward_share']:.0f} % |" for r in rows]
+    tokens = rows[0]["tokens_per_step"]
     md += ["", f"Both kinds one after the other: {1e3 * apart:.0f} ms a step; side by side (one target forward): "
-           f"{1e3 * joint:.0f} ms, {joint / apart:.2f}x."]
+           f"{1e3 * joint:.0f} ms, {joint / apart:.2f}x; {tokens:,.0f} tokens a step, "
+           f"{tokens / joint:,.0f} tokens/s side by side (optimizer steps not included)."]
     write_results(args.out, "train_split", "\n".join(md), dict(header=head, rows=rows, apart_s=apart, joint_s=joint))
 
 

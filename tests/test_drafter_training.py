@@ -99,9 +99,10 @@ def test_a_resumed_run_continues_the_same_curve(tiny, tmp_path):
     first = tmp_path / "first"
     calls = []
 
-    def stop_after_first_validation(msg: str) -> None:
+    def stop_after_first_validation(msg: str) -> None:  # step 0's tau is logged first, then step 6's
         calls.append(msg)
-        raise Stop
+        if "step 6/" in msg:
+            raise Stop
 
     with pytest.raises(Stop):  # a run killed right after its first checkpoint
         train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, val=val, out=first, progress=False,
@@ -112,9 +113,27 @@ def test_a_resumed_run_continues_the_same_curve(tiny, tmp_path):
                                      resume=first, progress=False)
     assert resumed["steps_run"] == 12 and len(resumed["lr"]) == 12
     assert resumed["lr"] == pytest.approx(whole["lr"])
-    assert [v["step"] for v in resumed["val"]] == [6, 12]
+    assert [v["step"] for v in resumed["val"]] == [0, 6, 12]
     with pytest.raises(CheckpointError, match="resume"):
         train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, resume=tmp_path / "nothing", progress=False)
+
+
+def test_a_new_plan_keeps_its_starting_weights_unless_a_step_beats_them(tiny):
+    """More training from trained weights (``--init``) re-warms the learning rate, which can cost
+    tau for a while: the starting weights' tau (validated at step 0) is the bar, and a run that never
+    beats it returns them unchanged."""
+    train = distill_tokens(tiny, toy_prompts()[:9], max_new_tokens=24)
+    tc = TrainConfig(steps=40, seqs_per_step=4, anchors_per_seq=8, lr=1e-2, val_every=0)
+    start, _ = train_block_drafter(tiny, train, new_net(cfg(0), tiny), tc, progress=False)
+    before = {k: t.clone() for k, t in start.state_dict().items()}
+    tau0 = simulated_tau(start, tiny, train, TrainConfig())["tau"]
+    wrecked, rec = train_block_drafter(tiny, train, start, dataclasses.replace(tc, steps=3, lr=1.0, val_every=1),
+                                       val=train, progress=False)
+    assert [v["step"] for v in rec["val"]] == [0, 1, 2, 3]
+    assert rec["val"][0]["tau"] == pytest.approx(tau0) and tau0 > 1.1, rec["val"]
+    assert max(v["tau"] for v in rec["val"][1:]) < tau0, rec["val"]  # lr 1.0 wrecks the network: no step beats step 0
+    assert rec["best"]["step"] == 0
+    assert all(torch.equal(wrecked.state_dict()[k], before[k]) for k in before)
 
 
 def test_validation_reports_tau_per_source_and_plots_it(tiny, tmp_path):
@@ -166,24 +185,25 @@ def test_drafters_trained_side_by_side_equal_each_trained_alone(tiny, tmp_path):
     class Stop(Exception):
         pass
 
-    def stop_at_the_second_log(msg: str, seen=[]) -> None:  # both networks validated at step 3
+    def stop_at_the_fourth_log(msg: str, seen=[]) -> None:  # both networks validated at steps 0 and 3
         seen.append(msg)
-        if len(seen) == 2:
+        if len(seen) == 4:
             raise Stop
 
     with pytest.raises(Stop):
-        train_block_drafters(tiny, data, jobs(tmp_path / "cut"), val=val, progress=False, log=stop_at_the_second_log)
+        train_block_drafters(tiny, data, jobs(tmp_path / "cut"), val=val, progress=False, log=stop_at_the_fourth_log)
     resumed = train_block_drafters(tiny, data, jobs(tmp_path / "more", resume=tmp_path / "cut"), val=val,
                                    progress=False)
     for (_, rec), (_, rec2) in zip(both, resumed):
-        assert rec2["lr"] == rec["lr"] and [v["step"] for v in rec2["val"]] == [3, 6]
+        assert rec2["lr"] == rec["lr"] and [v["step"] for v in rec2["val"]] == [0, 3, 6]
 
     # validated every step: wherever a run is cut (before a round's logs), both states name one step
     seen_steps = []
 
     def look(msg: str, calls=[]) -> None:
         calls.append(msg)
-        if len(calls) % 2 == 1 and len(calls) > 1:  # the first log of a round: the last round's states are written
+        if len(calls) % 2 == 1 and len(calls) > 3:  # the first log of a round after step 1's: the last round's
+                                                     # states are written (step 0 writes none)
             seen_steps.append({k: json.loads((tmp_path / "each" / k / "train_state.json").read_text())["step"]
                                for k in tcs})
 
@@ -484,7 +504,7 @@ def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory,
     common = cli_args
     assert main(common + ["--kind", "dspark", "--out", str(out), "--steps", "4"]) == 0
     rec = json.loads((out / "training.json").read_text())
-    assert rec["steps_run"] == 4 and rec["planned_steps"] == 4 and len(rec["val"]) == 2
+    assert rec["steps_run"] == 4 and rec["planned_steps"] == 4 and len(rec["val"]) == 3
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kind"] == "dspark"
     net = BlockDrafterNet.load(out)
     assert net.config.markov_rank == 64 and net.config.confidence_head and net.config.num_layers == 1

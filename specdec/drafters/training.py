@@ -480,10 +480,12 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
 
     The networks share :data:`SHARED_SETTINGS` of their :class:`TrainConfig` and the target layers
     they read; learning rate, anchors per sequence and the loss mix are each one's own. With
-    ``max_seconds`` the plan is what fits the budget at the joint step's time. Whenever one network
-    checkpoints, the others' states move to the same step (their folders keep their best weights),
-    so a run cut off anywhere resumes all of them from one step, each from its best weights. Resumed
-    jobs must come from one joint run (the same step and plan); ``resume`` all of them or none.
+    ``max_seconds`` the plan is what fits the budget at the joint step's time. A new plan validates
+    the starting weights at step 0: they are the best until a step beats them (so more training
+    from trained weights never returns worse ones by validation tau). At every validation every
+    network's state moves to that step (its folder keeps its best weights), so a run cut off
+    anywhere resumes all of them from one step, each from its best weights. Resumed jobs must come
+    from one joint run (the same step and plan); ``resume`` all of them or none.
 
     Returns:
         ``(net, record)`` per job, in order (see :func:`train_block_drafter`).
@@ -569,7 +571,7 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
             simulated_taus([r.net for r in runs], target, val, [r.tc for r in runs])
             _sync(dev)
             val_s = time.perf_counter() - t1
-        n_val = lambda n: (n // tc0.val_every if tc0.val_every else 0) + 1  # noqa: E731
+        n_val = lambda n: (n // tc0.val_every if tc0.val_every else 0) + 2  # noqa: E731  (with step 0's)
         planned = tc0.steps
         while planned > 1 and planned * per_step + n_val(planned) * val_s > tc0.max_seconds:
             planned = int(planned * 0.97)
@@ -588,6 +590,14 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
     t_wall = time.perf_counter()
     for r in runs:
         r.t_start = t_wall - r.record["seconds"]
+    if state is None and val is not None and len(val):  # a new plan starts from these weights: their tau
+        taus = simulated_taus([r.net for r in runs], target, val, [r.tc for r in runs])  # is the bar to beat,
+        for r, tau in zip(runs, taus):                    # and they are kept if no later step beats it
+            _validated(r, {"step": 0, **tau})
+            if r.job.out is not None:
+                _save(r.net, r.job.out, r.record, 0, planned, epoch, cursor)
+        for r in runs:
+            log(f"{r.name + ': ' if r.name else ''}step 0/{planned}: val tau {r.best:.3f}")
     while step < planned:
         for r in runs:
             f = lr_factor(step, planned, r.tc.warmup_frac, r.tc.min_lr_frac)
@@ -605,26 +615,17 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
                             acc="/".join(f"{m['acc']:.2f}" for _, m in results))
         last = step == planned
         if val is not None and len(val) and (last or (tc0.val_every and step % tc0.val_every == 0)):
-            improved = []
             taus = simulated_taus([r.net for r in runs], target, val, [r.tc for r in runs])
-            for r, (loss, _), tau in zip(runs, results, taus):
-                v = {"step": step, **tau}
-                r.record["val"].append(v)
-                if v["tau"] > r.best:
-                    improved.append(r)
-                    r.best = v["tau"]
-                    r.best_state = {k: t.detach().clone() for k, t in r.net.state_dict().items()}
-                    r.record["best"] = v
-                    r.record["seconds"] = time.perf_counter() - r.t_start
-                    r.record["steps_run"] = step
-                    if r.job.out is not None:  # a run cut short resumes from its best checkpoint
+            improved = [_validated(r, {"step": step, **tau}) for r, tau in zip(runs, taus)]
+            for r, better in zip(runs, improved):  # every state at this step before any log: one resume point
+                if r.job.out is not None:         # (a folder keeps its best weights; the state moves on)
+                    if better:
                         _save(r.net, r.job.out, r.record, step, planned, epoch, cursor)
-                log(f"{r.name + ': ' if r.name else ''}step {step}/{planned}: loss {loss:.3f}, "
-                    f"val tau {v['tau']:.3f} (best {r.best:.3f})")
-            if improved and len(runs) > 1:  # one resume point for all: the others' states move to this step
-                for r in runs:             # (their folders keep their best weights)
-                    if r not in improved and r.job.out is not None:
+                    else:
                         _write_state(Path(r.job.out), r.record, step, planned, epoch, cursor)
+            for r, (loss, _) in zip(runs, results):
+                log(f"{r.name + ': ' if r.name else ''}step {step}/{planned}: loss {loss:.3f}, "
+                    f"val tau {r.record['val'][-1]['tau']:.3f} (best {r.best:.3f})")
         if stop_after_seconds is not None and time.perf_counter() - t_wall > stop_after_seconds:
             log(f"stopping at step {step} of {planned} after {stop_after_seconds:.0f} s: resume to continue")
             break
@@ -641,6 +642,18 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
             _save(r.net, r.job.out, r.record, step, planned, epoch, cursor)
             plot_training(r.record, Path(r.job.out) / "training.png")
     return [(r.net.eval(), r.record) for r in runs]
+
+
+def _validated(r: _Run, v: dict) -> bool:
+    """Record validation ``v`` of ``r``'s network; True (its weights kept as the best) if it beats the best."""
+    r.record["val"].append(v)
+    if v["tau"] <= r.best:
+        return False
+    r.best, r.record["best"] = v["tau"], v
+    r.best_state = {k: t.detach().clone() for k, t in r.net.state_dict().items()}
+    r.record["seconds"] = time.perf_counter() - r.t_start
+    r.record["steps_run"] = v["step"]
+    return True
 
 
 def _sync(dev: torch.device) -> None:
