@@ -440,6 +440,15 @@ def test_token_data_round_trip_in_shards(tmp_path, monkeypatch):
     train, val = back.split(0.3, seed=1)
     assert len(train) + len(val) == 20 and (val.temperature == 0).all()
     assert back.split(0.3, seed=1)[1].tokens.tolist() == val.tokens.tolist()
+    # a prompt answered greedily and sampled: its sampled answers never train once its greedy one validates
+    prompts = [[rng.randrange(49152) for _ in range(5)] for _ in range(30)]
+    twins = TokenData.from_lists([p + [rng.randrange(49152) for _ in range(8)] for p in prompts for _ in range(3)],
+                                 [5] * 90, [0] * 90, [0.0, 0.7, 0.9] * 30)
+    train, val = twins.split(0.3, seed=2)
+    held = {tuple(val.sequence(i)[:5].tolist()) for i in range(len(val))}
+    assert 0 < len(val) < 30 and (val.temperature == 0).all()
+    assert not held & {tuple(train.sequence(i)[:5].tolist()) for i in range(len(train))}
+    assert len(train) + 3 * len(val) == 90
     with pytest.raises(ConfigError, match="uint16"):
         TokenData.from_lists([[70000]], [1], [0], [0.0])
     (tmp_path / paths[0].name).write_bytes(b"not a zip")

@@ -195,11 +195,15 @@ class TokenData:
 
     def split(self, val_fraction: float = 0.01, seed: int = 0) -> tuple["TokenData", "TokenData"]:
         """(train, validation): validation takes greedy sequences chosen by a hash of their tokens and
-        ``seed``, so the split does not depend on order or on the machine."""
+        ``seed``, so the split does not depend on order or on the machine. The sampled responses to
+        a validation sequence's prompt are in neither (training on them would train on the prompt)."""
         h = np.array([_hash01(self.tokens[self.offsets[i]:self.offsets[i + 1]].tobytes(), seed)
                       for i in range(len(self))])
         val = (h < val_fraction) & (self.temperature == 0)
-        return self.subset(np.nonzero(~val)[0]), self.subset(np.nonzero(val)[0])
+        prompt = lambda i: self.tokens[self.offsets[i]:self.offsets[i] + self.prompt_lens[i]].tobytes()  # noqa: E731
+        held = {prompt(i) for i in np.nonzero(val)[0]}
+        train = [i for i in np.nonzero(~val)[0] if self.temperature[i] == 0 or prompt(i) not in held]
+        return self.subset(train), self.subset(np.nonzero(val)[0])
 
 
 def _hash01(b: bytes, seed: int) -> float:
