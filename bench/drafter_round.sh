@@ -108,9 +108,11 @@ for part in "$@"; do
         --drafters null,suffix,dflash,dflash+devdrafts,dspark,dspark+devdrafts,hybrid+dflash,hybrid+dflash+devdrafts \
         2>&1 | grep "^|\|^- " ;;
     trainsplit)  # where a training step's time goes on the GPU, and what side by side saves, by batch size
-      for seqs in ${SPLIT_SEQS:-16 32 64}; do
+      sizes=${SPLIT_SEQS:-16 32 64}
+      for seqs in $sizes; do  # the first size with a torch.profiler table of 3 steps (profile.txt)
+        prof=""; [ "$seqs" = "${sizes%% *}" ] && prof="--profile"
         timeout 180 python bench/train_split.py --device cuda --seqs "$seqs" --steps 10 --out "$OUT/train_split_$seqs" \
-          --data data/drafter-smollm2-135m-c 2>&1 | grep -v "^$" | tail -4 | tee -a "$OUT/train_split.txt"
+          --data data/drafter-smollm2-135m-c $prof 2>&1 | grep -v "^$\|USDT" | tail -4 | tee -a "$OUT/train_split.txt"
       done ;;
     hostprofile)  # where a learned drafter's propose spends its host time: cProfile over 8 prompts at batch 1
       timeout "${EVAL_TIMEOUT:-300}" python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-131 \

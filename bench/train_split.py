@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per kind")
     ap.add_argument("--data", default="data/drafter-smollm2-135m")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also torch.profiler tables of 3 side-by-side steps (optimizer steps included): profile.txt")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -91,6 +93,54 @@ def main() -> None:
            f"{1e3 * joint:.0f} ms, {joint / apart:.2f}x; {tokens:,.0f} tokens a step, "
            f"{tokens / joint:,.0f} tokens/s side by side (optimizer steps not included)."]
     write_results(args.out, "train_split", "\n".join(md), dict(header=head, rows=rows, apart_s=apart, joint_s=joint))
+    if args.profile and args.out:
+        profile_joint(target, data, order, args.seqs, dev, Path(args.out) / "profile.txt")
+
+
+def profile_joint(target, data, order, seqs: int, dev: torch.device, path: Path, steps: int = 3) -> None:
+    """``torch.profiler`` over ``steps`` side-by-side steps as training runs them (one target forward,
+    each kind's forward, backward and AdamW step): where the GPU time goes, which host calls wait."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    nets, tcs = [], []
+    for kind, k in KIND_SETTINGS.items():
+        net = BlockDrafterNet.load(Path("specdec/drafters/checkpoints") / f"smollm2-135m-{kind}").to(dev).float().train()
+        nets.append((net, torch.optim.AdamW(net.parameters(), lr=1e-5)))
+        tcs.append(TrainConfig(seqs_per_step=seqs, tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"]))
+    layer_ids = nets[0][0].config.target_layer_ids
+    g = torch.Generator().manual_seed(0)
+
+    def step(i: int) -> None:
+        with torch.no_grad():
+            batch = _sample_batch(target, data, order, seqs * i, tcs[0], layer_ids, any(tc.tv_weight for tc in tcs))
+        lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
+        for (net, opt), tc in zip(nets, tcs):
+            anchors = anchors_from_uniform(lo, hi, torch.rand(len(lo), tc.anchors_per_seq, generator=g).to(dev))
+            with _autocast(dev):
+                loss, _ = block_loss(net, target.embed, target.lm_head, batch, anchors, tc,
+                                     target.compute_logits if tc.tv_weight else None)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+
+    for i in range(2):
+        step(i)
+    sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with tprofile(activities=acts) as prof:
+        for i in range(steps):
+            step(2 + i)
+        sync(dev)
+    wall = (time.perf_counter() - t0) / steps
+    ev = prof.key_averages()
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    path.write_text(f"# {steps} side-by-side steps of {seqs} sequences, {1e3 * wall:.0f} ms a step under the "
+                    f"profiler\n## by {key}\n{ev.table(sort_by=key, row_limit=30)}\n## by self CPU time\n"
+                    f"{ev.table(sort_by='self_cpu_time_total', row_limit=30)}\n")
+    print(f"profile: {path}")
 
 
 if __name__ == "__main__":
