@@ -24,7 +24,8 @@
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
 # Knobs: MAGPIE, CODE, GROUNDED, MATH (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
 # SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
-# for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs);
+# for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs;
+# RESUME=/tmp/ck-{kind} continues the last call's on the same warm machine, nothing carried back first);
 # LR (peak learning rate, default 1e-3); SEQS (sequences a training step, default 16).
 set -uo pipefail
 . /tmp/stage/env.sh
@@ -56,6 +57,7 @@ for part in "$@"; do
       plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16}"
       if [ "${JOINT:-1}" = 1 ]; then  # both kinds in one process: one target forward a step feeds both
         resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-{kind}"
+        [ -n "${RESUME:-}" ] && [ "$RESUME" != 1 ] && resume="--resume $RESUME"  # e.g. /tmp/ck-{kind}: the last call's
         [ -n "${INIT:-}" ] && [ -z "${RESUME:-}" ] && resume="--init $CK/smollm2-135m-{kind}"
         timeout 580 python -m specdec.drafters.training --data $DATA --kind dflash,dspark --out "/tmp/ck-{kind}" \
           $plan $resume > "$OUT/train.log" 2>&1
@@ -63,6 +65,7 @@ for part in "$@"; do
       else  # JOINT=0: one process per kind, side by side on the GPU
         for kind in dflash dspark; do
           resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
+          [ -n "${RESUME:-}" ] && [ "$RESUME" != 1 ] && resume="--resume ${RESUME//\{kind\}/$kind}"
           [ -n "${INIT:-}" ] && [ -z "${RESUME:-}" ] && resume="--init $CK/smollm2-135m-$kind"
           timeout 580 python -m specdec.drafters.training --data $DATA --kind $kind --out "/tmp/ck-$kind" \
             $plan $resume > "$OUT/train_$kind.log" 2>&1 &
