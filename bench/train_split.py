@@ -104,7 +104,8 @@ def profile_joint(target, data, order, seqs: int, dev: torch.device, path: Path,
 
     nets, tcs = [], []
     for kind, k in KIND_SETTINGS.items():
-        net = BlockDrafterNet.load(Path("specdec/drafters/checkpoints") / f"smollm2-135m-{kind}").to(dev).float().train()
+        net = BlockDrafterNet.load(Path("specdec/drafters/checkpoints") / f"smollm2-135m-{kind}")
+        net = net.to(dev).float().train()
         nets.append((net, torch.optim.AdamW(net.parameters(), lr=1e-5)))
         tcs.append(TrainConfig(seqs_per_step=seqs, tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"]))
     layer_ids = nets[0][0].config.target_layer_ids

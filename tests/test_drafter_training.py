@@ -21,7 +21,8 @@ from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, block_m
 from specdec.drafters.data import TokenData, code_prompts, keep_message
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
 from specdec.drafters.training import (TrainConfig, anchor_block_mask, anchors_from_uniform, block_hidden, block_labels,
-                                       block_loss, distill_tokens, lr_factor, new_net, simulated_tau, target_features,
+                                       accepted_runs, block_loss, distill_tokens, lr_factor, new_net, simulated_tau,
+                                       target_features, walk_accepted_lengths,
                                        TrainJob, train_block_drafter, train_block_drafters)
 from specdec.errors import CheckpointError, ConfigError
 
@@ -421,6 +422,27 @@ def test_trained_drafters_are_lossless(tiny, trained, name, batch):
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     acc = [a for o in outs for a in o.stats.accepted_lengths]
     assert sum(acc) / len(acc) > 1.3  # it drafts something right
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_the_engines_steps_equal_the_walk_replayed_from_training_code(tiny, trained, name):
+    """The engine's accepted tokens per step (fp32, greedy, batch 1) equal the walk replayed
+    offline over its outputs with the training code's drafter pass: the inference path drafts what
+    training measures, and the walk's τ (bench/walk_tau.py) is the engine's."""
+    _, _, folder, _ = trained[name]
+    cls = DFlashDrafter if name == "dflash" else DSparkDrafter
+    net = BlockDrafterNet.load(folder).float().eval()
+    prompts = toy_prompts()[:8]
+    outs = SpecEngine(tiny, cls.from_pretrained(folder), max_num_seqs=1).generate(
+        prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    walks = []
+    for prompt, out in zip(prompts, outs):
+        walk = walk_accepted_lengths(accepted_runs(net, tiny, prompt, out.token_ids), len(out.token_ids))
+        assert out.stats.accepted_lengths == walk
+        walks += walk
+    assert sum(walks) / len(walks) > 1.3  # drafts that land: the walks are not all ones
+    assert walk_accepted_lengths([7, 0, 3, 0, 0, 0, 0, 0, 0], 10) == [8, 1]  # capped at the output's end
+    assert walk_accepted_lengths([0, 2, 0, 1, 0], 6) == [1, 3, 1]
 
 
 # -- training data ------------------------------------------------------------------------------------------

@@ -368,6 +368,46 @@ class _TauCounts:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def accepted_runs(net, target, prompt: list[int], output: list[int], chunk: int = 64) -> list[int]:
+    """How many drafted tokens equal ``output``'s, at every response anchor: entry ``i`` is the
+    run drafted after output token ``i`` (``i = 0 .. len(output) - 2``), from one target forward
+    over ``prompt + output`` and one drafter pass per ``chunk`` anchors (as in training)."""
+    seq, P = list(prompt) + list(output), len(prompt)
+    slots = list(output_slots(net.config.block_size, net.config.shift_label))
+    W = len(slots)
+    batch = target_features(target, [seq], [P], net.config.target_layer_ids, with_final=False)
+    batch = FeatureBatch(batch.tokens, batch.lengths, batch.prompt_lens, batch.feats.to(net.fc.weight.dtype))
+    anchors, runs = list(range(P, len(seq) - 1)), []
+    for c in range(0, len(anchors), chunk):
+        a = torch.tensor([anchors[c:c + chunk]], device=batch.tokens.device)
+        with _autocast(target.device):
+            h = block_hidden(net, target.embed, batch, a)[:, :, slots]
+            drafts, _ = draft_from_hidden(net, h.reshape(a.shape[1], W, -1), batch.tokens.gather(1, a).flatten(),
+                                          target.lm_head, target.embed)
+        for anc, d in zip(a[0].tolist(), drafts.tolist()):
+            k = 0
+            while k < W and anc + 1 + k < len(seq) and d[k] == seq[anc + 1 + k]:
+                k += 1
+            runs.append(k)
+    return runs
+
+
+def walk_accepted_lengths(runs: list[int], n_output: int) -> list[int]:
+    """The engine's greedy steps over an output of ``n_output`` tokens, full-width drafts: tokens
+    per step (``k + 1``: the accepted drafts and the target's own token). The first output token
+    comes from the prompt step, so the first anchor is output token 0; a step moves the anchor
+    ``k + 1`` on, and a draft never reaches past the output's last token. ``runs`` from
+    :func:`accepted_runs`. Its mean is the engine's τ on this output; the mean of ``1 + runs``
+    (every anchor, validation's estimator) sits above it, as each walk anchor follows a miss."""
+    steps, a = [], 0
+    while a < n_output - 1:
+        k = min(runs[a], n_output - 2 - a)
+        steps.append(k + 1)
+        a += k + 1
+    return steps
+
+
 def simulated_taus(nets, target, data: TokenData, tcs: list[TrainConfig], seqs_per_batch: int = 16) -> list[dict]:
     """:func:`simulated_tau` of several networks that read the same target layers, with one target
     forward per batch of ``data`` for all of them (each draws its anchors as it would alone, so
