@@ -368,7 +368,6 @@ class _TauCounts:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def accepted_runs(net, target, prompt: list[int], output: list[int], chunk: int = 64) -> list[int]:
     """How many drafted tokens equal ``output``'s, at every response anchor: entry ``i`` is the
     run drafted after output token ``i`` (``i = 0 .. len(output) - 2``), from one target forward
@@ -408,6 +407,7 @@ def walk_accepted_lengths(runs: list[int], n_output: int) -> list[int]:
     return steps
 
 
+@torch.no_grad()
 def simulated_taus(nets, target, data: TokenData, tcs: list[TrainConfig], seqs_per_batch: int = 16) -> list[dict]:
     """:func:`simulated_tau` of several networks that read the same target layers, with one target
     forward per batch of ``data`` for all of them (each draws its anchors as it would alone, so
