@@ -17,6 +17,7 @@
 #                                       # one call of at most 9.5 minutes (with RESUME=1 it continues their plan)
 #   bash bench/drafter_round.sh trainsplit # a training step's parts on the GPU at 16, 32 and 64 sequences a step
 #                                       # (bench/train_split.py): side by side against one kind after the other
+#   bash bench/drafter_round.sh jointcheck # ms a step: both kinds in one process (JOINT=1) against a process each
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
 #   bash bench/drafter_round.sh hostprofile # e2e at batch 1 with cProfile of each drafter's host functions
@@ -117,6 +118,20 @@ for part in "$@"; do
         timeout 180 python bench/train_split.py --device cuda --seqs "$seqs" --steps 10 --out "$OUT/train_split_$seqs" \
           --data data/drafter-smollm2-135m-c $prof 2>&1 | grep -v "^$\|USDT" | tail -4 | tee -a "$OUT/train_split.txt"
       done ;;
+    jointcheck)  # ms a training step: both kinds in one process against one process each, side by side (each
+                 # planner times its steps while the other runs); 20 steps each, nothing kept
+      sets="${DATA_SETS:-$(ls -d data/drafter-smollm2-135m*/ | tr '\n' ' ')}"
+      common="--steps 20 --max-seconds 900 --seqs-per-step ${SEQS:-16} --val-every 0"
+      timeout 200 python -m specdec.drafters.training --data $sets --kind dflash,dspark --out "/tmp/jc-{kind}" \
+        --init "$CK/smollm2-135m-{kind}" $common 2>&1 | grep "time budget" | sed 's/^/one process, both: /' \
+        | tee -a "$OUT/jointcheck.txt"
+      for kind in dflash dspark; do
+        timeout 200 python -m specdec.drafters.training --data $sets --kind $kind --out "/tmp/jc-$kind" \
+          --init "$CK/smollm2-135m-$kind" $common 2>&1 | grep "time budget" | sed "s/^/$kind alone, beside the other: /" \
+          > "/tmp/jc-$kind.txt" &
+      done
+      wait
+      cat /tmp/jc-dflash.txt /tmp/jc-dspark.txt | tee -a "$OUT/jointcheck.txt" ;;
     hostprofile)  # where a learned drafter's propose spends its host time: cProfile over 8 prompts at batch 1
       timeout "${EVAL_TIMEOUT:-300}" python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-131 \
         --max-new-tokens 256 --batch-sizes 1 --skip-hf --cprofile 8 --out "$OUT/e2e_hostprofile" \
