@@ -341,7 +341,7 @@ class _TauCounts:
         labels = block_labels(batch.tokens, batch.lengths, anchors, self.offsets).view(S * A, W)
         ok = anchors.flatten() >= 0
         match = (toks == labels) & (labels != -100)
-        run = match.long().cumprod(1)  # 1 while every draft so far matched
+        run = _matched(toks, labels)
         self.taus.append((1 + run.sum(1))[ok].float().cpu())
         self.sources.append(source.repeat_interleave(tc.val_anchors)[ok.cpu()])
         if conf is not None:  # calibration of P(accept slot j | slots < j accepted)
@@ -367,28 +367,28 @@ class _TauCounts:
         return out
 
 
+def _matched(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[N, W]`` → 1 while every draft so far equals its label (``-100``: past the sequence, never)."""
+    return ((drafts == labels) & (labels != -100)).long().cumprod(1)
+
+
 @torch.no_grad()
 def accepted_runs(net, target, prompt: list[int], output: list[int], chunk: int = 64) -> list[int]:
     """How many drafted tokens equal ``output``'s, at every response anchor: entry ``i`` is the
     run drafted after output token ``i`` (``i = 0 .. len(output) - 2``), from one target forward
     over ``prompt + output`` and one drafter pass per ``chunk`` anchors (as in training)."""
     seq, P = list(prompt) + list(output), len(prompt)
-    slots = list(output_slots(net.config.block_size, net.config.shift_label))
-    W = len(slots)
-    batch = target_features(target, [seq], [P], net.config.target_layer_ids, with_final=False)
+    c = net.config
+    slots, offsets = list(output_slots(c.block_size, c.shift_label)), label_offsets(c.block_size, c.shift_label)
+    batch = target_features(target, [seq], [P], c.target_layer_ids, with_final=False)
     batch = FeatureBatch(batch.tokens, batch.lengths, batch.prompt_lens, batch.feats.to(net.fc.weight.dtype))
-    anchors, runs = list(range(P, len(seq) - 1)), []
-    for c in range(0, len(anchors), chunk):
-        a = torch.tensor([anchors[c:c + chunk]], device=batch.tokens.device)
+    runs = []
+    for start in range(P, len(seq) - 1, chunk):
+        a = torch.arange(start, min(len(seq) - 1, start + chunk), device=batch.tokens.device)[None]
         with _autocast(target.device):
-            h = block_hidden(net, target.embed, batch, a)[:, :, slots]
-            drafts, _ = draft_from_hidden(net, h.reshape(a.shape[1], W, -1), batch.tokens.gather(1, a).flatten(),
-                                          target.lm_head, target.embed)
-        for anc, d in zip(a[0].tolist(), drafts.tolist()):
-            k = 0
-            while k < W and anc + 1 + k < len(seq) and d[k] == seq[anc + 1 + k]:
-                k += 1
-            runs.append(k)
+            h = block_hidden(net, target.embed, batch, a)[0][:, slots]
+            drafts, _ = draft_from_hidden(net, h, batch.tokens[0, a[0]], target.lm_head, target.embed)
+        runs += _matched(drafts, block_labels(batch.tokens, batch.lengths, a, offsets)[0]).sum(1).tolist()
     return runs
 
 
