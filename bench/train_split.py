@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results_io import run_header, write_results  # noqa: E402
 from specdec.drafters.block import BlockDrafterNet  # noqa: E402
 from specdec.drafters.data import TokenData  # noqa: E402
-from specdec.drafters.training import (KIND_SETTINGS, TrainConfig, _autocast, _order, _sample_batch,  # noqa: E402
-                                       anchor_range, anchors_from_uniform, block_loss)
+from specdec.drafters.training import (KIND_SETTINGS, TrainConfig, TrainJob, _autocast, _order,  # noqa: E402
+                                       _sample_batch, anchor_range, anchors_from_uniform, block_loss,
+                                       train_block_drafters)
 from specdec.target import load_target  # noqa: E402
 
 
@@ -94,52 +95,34 @@ def main() -> None:
            f"{tokens / joint:,.0f} tokens/s side by side (optimizer steps not included)."]
     write_results(args.out, "train_split", "\n".join(md), dict(header=head, rows=rows, apart_s=apart, joint_s=joint))
     if args.profile and args.out:
-        profile_joint(target, data, order, args.seqs, dev, Path(args.out) / "profile.txt")
+        profile_joint(target, data, args.seqs, dev, Path(args.out) / "profile.txt")
 
 
-def profile_joint(target, data, order, seqs: int, dev: torch.device, path: Path, steps: int = 3) -> None:
-    """``torch.profiler`` over ``steps`` side-by-side steps as training runs them (one target forward,
-    each kind's forward, backward and AdamW step): where the GPU time goes, which host calls wait."""
+def profile_joint(target, data, seqs: int, dev: torch.device, path: Path, steps: int = 3) -> None:
+    """``torch.profiler`` over ``steps`` steps of :func:`train_block_drafters` with both kinds (the
+    training loop itself: one target forward, each kind's forward, backward and AdamW step), after
+    an untimed run of 2 steps: where the GPU time goes, which host calls wait."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    nets, tcs = [], []
-    for kind, k in KIND_SETTINGS.items():
-        net = BlockDrafterNet.load(Path("specdec/drafters/checkpoints") / f"smollm2-135m-{kind}")
-        net = net.to(dev).float().train()
-        nets.append((net, torch.optim.AdamW(net.parameters(), lr=1e-5)))
-        tcs.append(TrainConfig(seqs_per_step=seqs, tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"]))
-    layer_ids = nets[0][0].config.target_layer_ids
-    g = torch.Generator().manual_seed(0)
+    def jobs(n: int) -> list[TrainJob]:
+        return [TrainJob(BlockDrafterNet.load(Path("specdec/drafters/checkpoints") / f"smollm2-135m-{kind}"),
+                         TrainConfig(steps=n, seqs_per_step=seqs, tv_weight=k["tv_weight"],
+                                     confidence_weight=k["confidence_weight"]), name=kind)
+                for kind, k in KIND_SETTINGS.items()]
 
-    def step(i: int) -> None:
-        with torch.no_grad():
-            batch = _sample_batch(target, data, order, seqs * i, tcs[0], layer_ids, any(tc.tv_weight for tc in tcs))
-        lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
-        for (net, opt), tc in zip(nets, tcs):
-            anchors = anchors_from_uniform(lo, hi, torch.rand(len(lo), tc.anchors_per_seq, generator=g).to(dev))
-            with _autocast(dev):
-                loss, _ = block_loss(net, target.embed, target.lm_head, batch, anchors, tc,
-                                     target.compute_logits if tc.tv_weight else None)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
-
-    for i in range(2):
-        step(i)
+    train_block_drafters(target, data, jobs(2), progress=False)  # kernels, allocator, first shapes
     sync(dev)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    runs = jobs(steps)
     t0 = time.perf_counter()
     with tprofile(activities=acts) as prof:
-        for i in range(steps):
-            step(2 + i)
+        train_block_drafters(target, data, runs, progress=False)
         sync(dev)
     wall = (time.perf_counter() - t0) / steps
     ev = prof.key_averages()
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    path.write_text(f"# {steps} side-by-side steps of {seqs} sequences, {1e3 * wall:.0f} ms a step under the "
-                    f"profiler\n## by {key}\n{ev.table(sort_by=key, row_limit=30)}\n## by self CPU time\n"
+    path.write_text(f"# {steps} side-by-side training steps of {seqs} sequences, {1e3 * wall:.0f} ms a step under "
+                    f"the profiler\n## by {key}\n{ev.table(sort_by=key, row_limit=30)}\n## by self CPU time\n"
                     f"{ev.table(sort_by='self_cpu_time_total', row_limit=30)}\n")
     print(f"profile: {path}")
 
