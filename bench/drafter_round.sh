@@ -56,20 +56,18 @@ for part in "$@"; do
       plan="--max-seconds ${SECONDS_BUDGET:-420}"
       [ -n "${STEPS:-}" ] && plan="--steps $STEPS --stop-after ${SECONDS_BUDGET:-420}"
       plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16}"
+      start=""  # where each kind starts, {kind} in the folder: RESUME continues a plan, INIT starts a new one
+      if [ "${RESUME:-}" = 1 ]; then start="--resume $CK/smollm2-135m-{kind}"
+      elif [ -n "${RESUME:-}" ]; then start="--resume $RESUME"  # e.g. /tmp/ck-{kind}: the last call's
+      elif [ -n "${INIT:-}" ]; then start="--init $CK/smollm2-135m-{kind}"; fi
       if [ "${JOINT:-1}" = 1 ]; then  # both kinds in one process: one target forward a step feeds both
-        resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-{kind}"
-        [ -n "${RESUME:-}" ] && [ "$RESUME" != 1 ] && resume="--resume $RESUME"  # e.g. /tmp/ck-{kind}: the last call's
-        [ -n "${INIT:-}" ] && [ -z "${RESUME:-}" ] && resume="--init $CK/smollm2-135m-{kind}"
         timeout 580 python -m specdec.drafters.training --data $DATA --kind dflash,dspark --out "/tmp/ck-{kind}" \
-          $plan $resume > "$OUT/train.log" 2>&1
+          $plan $start > "$OUT/train.log" 2>&1
         tail -8 "$OUT/train.log"
       else  # JOINT=0: one process per kind, side by side on the GPU
         for kind in dflash dspark; do
-          resume=""; [ -n "${RESUME:-}" ] && resume="--resume $CK/smollm2-135m-$kind"
-          [ -n "${RESUME:-}" ] && [ "$RESUME" != 1 ] && resume="--resume ${RESUME//\{kind\}/$kind}"
-          [ -n "${INIT:-}" ] && [ -z "${RESUME:-}" ] && resume="--init $CK/smollm2-135m-$kind"
           timeout 580 python -m specdec.drafters.training --data $DATA --kind $kind --out "/tmp/ck-$kind" \
-            $plan $resume > "$OUT/train_$kind.log" 2>&1 &
+            $plan ${start//\{kind\}/$kind} > "$OUT/train_$kind.log" 2>&1 &
         done
         wait
         tail -5 "$OUT"/train_*.log
