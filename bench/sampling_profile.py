@@ -43,7 +43,7 @@ Part 2, end to end: a SpecEngine per drafter of ``--drafters`` (default null, su
 ``--spec-bench``) with every other request sampled (temperature 0.8, top-p 0.95, seed = index),
 timed after an untimed first pass, once with the sampled path as is and once with the torch
 reference (``specdec.sampling.USE_KERNEL = False``), and all-greedy for the baseline: ms per step
-and engine.timings' forward share. Target: SmolLM2-135M (``--target``), or with ``--quick`` a
+and engine.timings' parts per step (forward, draft, verify, host). Target: SmolLM2-135M (``--target``), or with ``--quick`` a
 random 2-layer Llama of the same vocabulary on the CPU.
 
 Writes ``sampling_profile.md`` and ``.json`` to ``--out`` (a folder).
@@ -251,6 +251,9 @@ def e2e(target, drafter: str, mix: str, kernel: bool | None, prompts, max_kv_len
     return {"drafter": drafter, "mix": mix, "path": {None: "as is", False: "torch (USE_KERNEL=False)"}[kernel],
             "steps": timings["steps"], "ms_per_step": 1e3 * wall / steps,
             "forward_ms_per_step": 1e3 * timings["forward_s"] / steps,
+            "draft_ms_per_step": 1e3 * timings.get("draft_s", 0.0) / steps,
+            "verify_ms_per_step": 1e3 * timings.get("verify_s", 0.0) / steps,
+            "host_ms_per_step": 1e3 * timings.get("host_s", 0.0) / steps,
             "tokens": sum(len(o.token_ids) for o in outs), "outputs": [list(o.token_ids) for o in outs]}
 
 
@@ -344,13 +347,14 @@ def main() -> None:
         greedy = {r["drafter"]: r["ms_per_step"] for r in e2e_res if r["mix"] == "greedy"}
         as_is = {r["drafter"]: r["outputs"] for r in e2e_res if r["mix"] == "half" and r["path"] == "as is"}
         md += ["", "## end to end (ms per engine step)", "",
-               "| drafter | mix | sampled path | ms / step | vs all-greedy | forward ms / step | steps | "
-               "tokens equal to 'as is' |", "|---|---|---|---|---|---|---|---|"]
+               "| drafter | mix | sampled path | ms / step | vs all-greedy | forward ms / step | draft | verify | host | "
+               "steps | tokens equal to 'as is' |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in e2e_res:
             same = "-" if r["mix"] == "greedy" else str(r["outputs"] == as_is[r["drafter"]])
             md.append(f"| {r['drafter']} | {r['mix']} | {r['path'] if r['mix'] != 'greedy' else '-'} | "
                       f"{r['ms_per_step']:.3f} | {r['ms_per_step'] / greedy[r['drafter']]:.2f}x | "
-                      f"{r['forward_ms_per_step']:.3f} | {r['steps']} | {same} |")
+                      f"{r['forward_ms_per_step']:.3f} | {r['draft_ms_per_step']:.3f} | {r['verify_ms_per_step']:.3f} | "
+                      f"{r['host_ms_per_step']:.3f} | {r['steps']} | {same} |")
     write_results(args.out, "sampling_profile", "\n".join(md),
                   {"header": header, "micro": micro_res, "profile": table,
                    "e2e": [{k: v for k, v in r.items() if k != "outputs"} for r in e2e_res]})
