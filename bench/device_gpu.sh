@@ -29,7 +29,9 @@
 #   bash bench/device_gpu.sh helix     # bench/helix.py with cp = 1 (one GPU)
 #   bash bench/device_gpu.sh sampling  # greedy, half-sampled and all-sampled batches of 32 Spec-Bench prompts, null and
 #                                      # suffix: step time vs all-greedy, greedy rows and seeded rows equal (REPEAT:
-#                                      # rounds, default 1). Needs .evaldata/question.jsonl (git-ignored evaluation
+#                                      # rounds, default 1; IGNORE_EOS=1: every request runs to max-new-tokens, so
+#                                      # every mix keeps all 32 requests in each step while its requests last).
+#                                      # Needs .evaldata/question.jsonl (git-ignored evaluation
 #                                      # data): name .evaldata in the call's carry
 #   bash bench/device_gpu.sh cutoffs   # the sort-free top-k / top-p cutoff kernel: its GPU tests (every path, vocab
 #                                      # 49152), then its settings swept on real logits (cutoff_sweep)
@@ -64,7 +66,8 @@ for part in "$@"; do
         | grep "^|" ;;
     sampling)  # sampled and greedy requests in one batch (issue 16's acceptance); .evaldata must be carried
       timeout 220 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
-        --max-new-tokens 256 --device cuda --dtype bfloat16 ${REPEAT:+--repeat $REPEAT} --out "$OUT/sampling_mix" 2>&1 \
+        --max-new-tokens 256 --device cuda --dtype bfloat16 ${REPEAT:+--repeat $REPEAT} ${IGNORE_EOS:+--ignore-eos} \
+        --out "$OUT/sampling_mix${IGNORE_EOS:+_ignore_eos}" 2>&1 \
         | grep -E "^\||^\`|Error|error" ;;
     realtests)  # the real model on the GPU only (strict lossless in fp32, bf16 batch-invariant)
       timeout 300 python -m pytest tests/test_cuda_graphs.py -k TestSmolLM2OnGPU -p no:cacheprovider -rs -o addopts= \

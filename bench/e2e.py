@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import process_state  # noqa: E402 (bench/, the script's own folder)
+from results_io import format_gpu_state, gpu_state, process_state  # noqa: E402 (bench/, the script's own folder)
 
 from specdec import SamplingParams, SpecEngine  # noqa: E402
 from specdec.drafters import make_drafter  # noqa: E402
@@ -151,6 +151,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
                 dstats[k] = 0
         dstats["eager_reasons"].clear()
     outs, t_total, batch_s = [], 0.0, []
+    gpu_before = gpu_state() if args.device.startswith("cuda") else {}
     for i in range(0, len(prompt_ids), batch_size):
         _sync(args.device)
         t0 = time.perf_counter()
@@ -158,6 +159,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         _sync(args.device)
         batch_s.append(time.perf_counter() - t0)
         t_total += batch_s[-1]
+    gpu_after = gpu_state() if args.device.startswith("cuda") else {}
     if dstats is not None and hasattr(block, "propose_device_s"):
         block.propose_device_s  # noqa: B018 - takes the last propose's device time into dstats
         dstats = {**dstats, "eager_reasons": dstats["eager_reasons"].copy()}  # the timed run's, not the cProfile pass's
@@ -191,6 +193,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
                                   "compile_s_untimed": compile_s}} if dstats else {}),
             **({"cprofile": profile} if profile else {}),
+            "gpu": {"before": gpu_before, "after": gpu_after},  # clocks, temperature, other processes
             "process": process_state()}  # what earlier systems left: GC objects, threads, allocator, engines
 
 
@@ -405,6 +408,10 @@ def main() -> None:
                                 f"{len(ps['threads'])} threads, {ps['child_processes']} child processes, CUDA device "
                                 f"allocations {ps.get('cuda_num_device_alloc')}, allocator retries "
                                 f"{ps.get('cuda_num_alloc_retries')}, alive {ps.get('alive')}")
+                gs = r.get("gpu")
+                if gs and (gs["before"] or gs["after"]):
+                    text.append(f"- {name}: GPU before the timed run: {format_gpu_state(gs['before'])}; "
+                                f"after: {format_gpu_state(gs['after'])}")
                 ds = r.get("drafter_stats")
                 if ds:
                     text.append(f"- {name}: propose graphs {ds['graph_proposes']:,}/"

@@ -73,6 +73,57 @@ def process_state() -> dict:
             **cuda_allocator()}
 
 
+GPU_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw", "power.limit",
+              "utilization.gpu")
+"""What :func:`gpu_state` asks ``nvidia-smi`` for, then the active clock-limiting reasons under either
+name drivers use (``clocks_event_reasons`` since 535, ``clocks_throttle_reasons`` before)."""
+_REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active", None)
+
+
+def gpu_state(index: int | None = None) -> dict:
+    """The GPU's clocks, temperature, power and throttle reasons now, and the other processes on it
+    (``nvidia-smi``; empty where it is missing): a timed run that follows heavy work (a training
+    run) may meet a throttled or shared GPU, which its figures alone would not tell."""
+    import os
+    import subprocess
+
+    if not torch.cuda.is_available():
+        return {}
+    index = torch.cuda.current_device() if index is None else index  # nvidia-smi's numbering where all GPUs are visible
+
+    def query(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["nvidia-smi", f"--id={index}", *args, "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    state = {}
+    for reason in _REASONS:  # an unknown field fails the whole query: the older name, then none
+        fields = [*GPU_FIELDS, *([reason] if reason else [])]
+        line = query(f"--query-gpu={','.join(fields)}")
+        values = [v.strip() for v in line.split(",")] if line else []
+        if len(values) == len(fields):
+            state = dict(zip([*GPU_FIELDS, *(["reasons"] if reason else [])], values))
+            break
+    if not state:
+        return {}
+    apps = query("--query-compute-apps=pid,used_memory") or ""
+    others = [line.split(",")[0].strip() for line in apps.splitlines()
+              if line.strip() and line.split(",")[0].strip() != str(os.getpid())]
+    return {**state, "other_processes": others}
+
+
+def format_gpu_state(state: dict) -> str:
+    """One line of :func:`gpu_state`: ``SM 1980/1980 MHz, 45 C, 120/700 W, clock limits 0x0, other processes 0``."""
+    if not state:
+        return "no nvidia-smi"
+    return (f"SM {state.get('clocks.sm')}/{state.get('clocks.max.sm')} MHz, {state.get('temperature.gpu')} C, "
+            f"{state.get('power.draw')}/{state.get('power.limit')} W, clock limits {state.get('reasons', '?')}, "
+            f"other processes {len(state.get('other_processes', []))}")
+
+
 def cuda_allocator() -> dict:
     """The caching allocator's counters (does a compile leave it allocating from the driver each step?)."""
     if not torch.cuda.is_available():
