@@ -27,7 +27,9 @@
 # SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
 # for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs;
 # RESUME=/tmp/ck-{kind} continues the last call's on the same warm machine, nothing carried back first);
-# LR (peak learning rate, default 1e-3); SEQS (sequences a training step, default 16).
+# LR (peak learning rate, default 1e-3); SEQS (sequences a training step, default 16); COMPILE_LOSS=1 fuses the
+# loss's passes over the vocabulary with torch.compile (--compile-loss); trainsplit: SPLIT_SEQS (sizes) and LOOP
+# (steps of the training loop itself timed with the plain and the compiled loss, default 20).
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -55,7 +57,7 @@ for part in "$@"; do
       # a plan of $STEPS steps cut after $SECONDS_BUDGET (continued by RESUME=1), or a plan fitted to the budget
       plan="--max-seconds ${SECONDS_BUDGET:-420}"
       [ -n "${STEPS:-}" ] && plan="--steps $STEPS --stop-after ${SECONDS_BUDGET:-420}"
-      plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16}"
+      plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16}${COMPILE_LOSS:+ --compile-loss}"
       start=""  # where each kind starts, {kind} in the folder: RESUME continues a plan, INIT starts a new one
       if [ "${RESUME:-}" = 1 ]; then start="--resume $CK/smollm2-135m-{kind}"
       elif [ -n "${RESUME:-}" ]; then start="--resume $RESUME"  # e.g. /tmp/ck-{kind}: the last call's
@@ -109,12 +111,14 @@ for part in "$@"; do
         --max-new-tokens 256 --batch-sizes "${BATCHES:-1,8}" --skip-hf --out "$OUT/e2e_device_drafts" \
         --drafters null,suffix,dflash,dflash+devdrafts,dspark,dspark+devdrafts,hybrid+dflash,hybrid+dflash+devdrafts \
         2>&1 | grep "^|\|^- " ;;
-    trainsplit)  # where a training step's time goes on the GPU, and what side by side saves, by batch size
+    trainsplit)  # where a training step's time goes on the GPU, what side by side saves, and the training loop's
+                 # step with the plain and the compiled loss, by batch size
       sizes=${SPLIT_SEQS:-16 32 64}
       for seqs in $sizes; do  # the first size with a torch.profiler table of 3 steps (profile.txt)
         prof=""; [ "$seqs" = "${sizes%% *}" ] && prof="--profile"
-        timeout 180 python bench/train_split.py --device cuda --seqs "$seqs" --steps 10 --out "$OUT/train_split_$seqs" \
-          --data data/drafter-smollm2-135m-c $prof 2>&1 | grep -v "^$\|USDT" | tail -4 | tee -a "$OUT/train_split.txt"
+        timeout 240 python bench/train_split.py --device cuda --seqs "$seqs" --steps 10 --out "$OUT/train_split_$seqs" \
+          --data data/drafter-smollm2-135m-c --loop-steps "${LOOP:-20}" $prof 2>&1 | grep -v "^$\|USDT" | tail -9 \
+          | tee -a "$OUT/train_split.txt"
       done ;;
     jointcheck)  # ms a training step: both kinds in one process against one process each, side by side (each
                  # planner times its steps while the other runs); 20 steps each, nothing kept

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import needs_cxx, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -335,6 +335,64 @@ def test_chunked_loss_equals_one_chunk_and_its_gradients(tiny):
     assert grads[0][2]["tv"] > 0 and grads[0][2]["conf"] > 0
 
 
+@needs_cxx
+def test_compiled_loss_terms_equal_the_eager_ones_and_their_gradients(tiny):
+    """``compile_terms=True`` (TrainConfig.compile_loss) runs chunk_terms through torch.compile: the
+    same loss, metrics and gradients as the eager terms, with every term on (cross-entropy, total
+    variation, confidence, Markov head) and chunks of different row counts (a dynamic shape)."""
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=3)
+    with torch.no_grad():
+        net.markov.up.weight.normal_(0, 0.2)
+    data = toy_data(3, seed=6)
+    batch = target_features(tiny, [data.sequence(i).tolist() for i in range(3)], data.prompt_lens.tolist(), (0, 2))
+    anchors = anchors_from_uniform(torch.tensor([6, 6, 6]), batch.lengths - 2, torch.rand(3, 5))
+    tc = TrainConfig(tv_weight=0.5, confidence_weight=0.3)
+    runs = []
+    for compiled in (False, True):
+        net.zero_grad()
+        loss, m = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, chunk_rows=11,
+                             compile_terms=compiled)
+        loss.backward()
+        runs.append((loss.item(), m, [p.grad.clone() for p in net.parameters()]))
+    (l0, m0, g0), (l1, m1, g1) = runs
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    assert m1 == pytest.approx(m0, rel=1e-5, abs=1e-7) and m0["tv"] > 0 and m0["conf"] > 0
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError):
+        TrainConfig(compile_loss="yes")
+
+
+def test_a_failed_loss_compile_warns_once_and_the_loss_runs_eagerly(tiny, monkeypatch):
+    import specdec.drafters.training as tr
+
+    def broken(fn, **kw):
+        def f(*a, **k):
+            raise RuntimeError("no compiler here")
+        return f
+
+    monkeypatch.setattr(tr, "_COMPILED_TERMS", [])
+    monkeypatch.setattr(tr, "_COMPILE_FAILED", [])
+    monkeypatch.setattr(tr.torch, "compile", broken)
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=4)
+    data = toy_data(2, seed=7)
+    batch = target_features(tiny, [data.sequence(i).tolist() for i in range(2)], data.prompt_lens.tolist(), (0, 2))
+    anchors = anchors_from_uniform(torch.tensor([6, 6]), batch.lengths - 2, torch.rand(2, 4))
+    tc = TrainConfig(tv_weight=0.5, confidence_weight=0.3)
+    eager, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits)
+    with pytest.warns(RuntimeWarning, match="compile_loss: torch.compile failed"):
+        first, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, chunk_rows=5,
+                              compile_terms=True)
+    first.backward()
+    assert first.item() == pytest.approx(eager.item(), rel=1e-5)
+    assert tr._COMPILE_FAILED == ["RuntimeError: no compiler here"]
+    import warnings as w
+    with w.catch_warnings():
+        w.simplefilter("error")  # no second warning: the eager terms from then on
+        again, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, compile_terms=True)
+    assert again.item() == pytest.approx(eager.item(), rel=1e-5)
+
+
 # -- the Markov head -----------------------------------------------------------------------------------
 def test_markov_block_logits_equal_a_token_by_token_reference(tiny):
     net = init_weights(BlockDrafterNet(dspark_cfg()), seed=2).eval()
@@ -586,3 +644,30 @@ def test_parts_of_a_data_set_join_and_the_command_checks_its_flags(tmp_path):
             data_main(["--out", str(tmp_path / "c"), "--device", "cpu", *bad])
     with pytest.raises(ConfigError):
         TokenData.concat([])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_loss_and_its_backward_never_wait_for_the_gpu(tmp_path):
+    """On CUDA the training loss (every term, the Markov head, several chunks) and its backward run
+    without a host synchronisation when its metrics stay on the device (the training loop reads
+    them back in bulk): torch's sync debug mode raises on any synchronising call."""
+    target = tiny_llama(tmp_path / "t", "cuda", num_hidden_layers=3, max_position_embeddings=160,
+                        initializer_range=0.3)
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=1).cuda()
+    data = toy_data(3, seed=5)
+    batch = target_features(target, [data.sequence(i).tolist() for i in range(3)], data.prompt_lens.tolist(), (0, 2))
+    anchors = anchors_from_uniform(torch.full((3,), 6, device="cuda"), batch.lengths - 2, torch.rand(3, 5, device="cuda"))
+    tc = TrainConfig(tv_weight=0.5, confidence_weight=0.3)
+    block_loss(net, target.embed, target.lm_head, batch, anchors, tc, target.compute_logits, chunk_rows=16)  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, m = block_loss(net, target.embed, target.lm_head, batch, anchors, tc, target.compute_logits,
+                                 chunk_rows=16, metrics_on_device=True)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert set(m) == {"ce", "tv", "conf", "acc"} and all(v.device.type == "cuda" for v in m.values())
+    assert math.isfinite(loss.item()) and 0 <= m["acc"].item() <= 1

@@ -20,7 +20,10 @@ One step (:func:`block_loss`), for ``S`` sequences and ``A`` anchors each, all i
 
 Schedule (:func:`lr_factor`): the number of steps is fixed first (a time budget is converted into
 steps by timing a few forward/backward passes); warm-up over ``warmup_frac`` of them, then cosine
-to ``min_lr_frac`` of the peak. AdamW with gradient clipping, bf16 autocast on CUDA.
+to ``min_lr_frac`` of the peak. AdamW with gradient clipping, bf16 autocast on CUDA. A step never
+waits for the GPU: index vectors built on the host go over pinned memory, unlabelled slot rows are
+weighted 0 rather than selected out, and losses are read back in bulk (at validations). With
+``TrainConfig.compile_loss`` the loss's passes over the vocabulary run through ``torch.compile``.
 
 Validation: simulated mean accepted length (tau) on held-out greedy sequences, with the engine's
 acceptance rule (drafts accepted while they equal the target's greedy tokens, plus the bonus
@@ -35,6 +38,7 @@ import copy
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -71,6 +75,9 @@ class TrainConfig:
         val_every: validate every this many steps (and at the end); 0 = only at the end.
         val_anchors: anchors per validation sequence.
         seed: RNG seed (init, batches, anchors).
+        compile_loss: run the loss's passes over the vocabulary through ``torch.compile``
+            (:func:`block_loss`'s ``compile_terms``): fewer, fused kernels on the GPU, a compile
+            (seconds to a minute) first; the same loss up to floating-point reassociation.
     """
 
     steps: int = 1000
@@ -88,6 +95,7 @@ class TrainConfig:
     val_every: int = 200
     val_anchors: int = 16
     seed: int = 0
+    compile_loss: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "max_len", "val_anchors"):
@@ -103,6 +111,8 @@ class TrainConfig:
                               f"got {self.warmup_frac}, {self.min_lr_frac}")
         if self.tv_weight < 0 or self.confidence_weight < 0 or self.weight_decay < 0:
             raise ConfigError("tv_weight, confidence_weight and weight_decay must be >= 0")
+        if not isinstance(self.compile_loss, bool):
+            raise ConfigError(f"compile_loss must be True or False, got {self.compile_loss!r}")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ConfigError(f"max_seconds must be > 0 or None, got {self.max_seconds!r}")
 
@@ -129,6 +139,7 @@ class FeatureBatch:
         prompt_lens: ``[S]`` int64.
         feats: ``[S, L, len(layer_ids) * hidden]`` target hidden states of the tapped layers.
         final: ``[S, L, hidden]`` the target's last hidden state (before its final norm), or ``None``.
+        num_tokens: the sum of ``lengths``, known on the host (``None`` if not given).
     """
 
     tokens: torch.Tensor
@@ -136,6 +147,15 @@ class FeatureBatch:
     prompt_lens: torch.Tensor
     feats: torch.Tensor
     final: torch.Tensor | None = None
+    num_tokens: int | None = None
+
+
+def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on ``dev`` without waiting for the GPU: through pinned memory, non-blocking, on
+    CUDA (a copy from pageable memory first waits for every kernel queued before it)."""
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
 
 
 @torch.no_grad()
@@ -149,29 +169,29 @@ def target_features(target, seqs: list[list[int]], prompt_lens: list[int], layer
     tpb, dev = 16, target.device
     pages = sum(-(-len(s) // tpb) for s in seqs)
     pool, mgr = KVPool(target.layer_specs(), pages, tpb, device=dev), KVCacheManager(pages, tpb)
-    ctx, slots, pos, ids = [], [], [], []
+    S, L = len(seqs), -(-max(len(s) for s in seqs) // pad_to) * pad_to
+    ctx, slots, pos, ids, dest = [], [], [], [], []
     for i, s in enumerate(seqs):
         mgr.allocate(i, len(s))
         slots += mgr.slots(i, 0, len(s))
         ctx.append((len(s), len(s), tuple(mgr.page_table(i))))
         pos += range(len(s))
         ids += s
-    attn = plan_step(ctx, [], torch.tensor(slots, device=dev), lambda p, q, m: target.attn_shape(p, q, tpb, m), tpb)
-    final, cap = target.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, pool,
-                                hidden_layer_ids=tuple(layer_ids))
+        dest += range(i * L, i * L + len(s))  # where each packed token sits in the padded [S * L]
+    # host-built index vectors go over pinned and non-blocking, and the padded tensors are filled by
+    # index (not by a boolean mask, which would read its count back): the step never waits for the GPU
+    slots_d, ids_d, pos_d, dest_d, lengths, plens = (
+        to_device(torch.tensor(v, dtype=torch.long), dev)
+        for v in (slots, ids, pos, dest, [len(s) for s in seqs], prompt_lens))
+    attn = plan_step(ctx, [], slots_d, lambda p, q, m: target.attn_shape(p, q, tpb, m), tpb)
+    final, cap = target.forward(ids_d, pos_d, attn, pool, hidden_layer_ids=tuple(layer_ids))
     packed = torch.cat([cap[i] for i in layer_ids], -1)  # [T, F]
-    S, L = len(seqs), -(-max(len(s) for s in seqs) // pad_to) * pad_to
-    lengths = torch.tensor([len(s) for s in seqs], device=dev)
-    valid = torch.arange(L, device=dev) < lengths[:, None]  # [S, L]
-    feats = packed.new_zeros(S, L, packed.shape[-1])
-    feats[valid] = packed
-    tokens = torch.zeros(S, L, dtype=torch.long, device=dev)
-    tokens[valid] = torch.tensor(ids, device=dev)
+    feats = packed.new_zeros(S * L, packed.shape[-1]).index_copy_(0, dest_d, packed).view(S, L, -1)
+    tokens = torch.zeros(S * L, dtype=torch.long, device=dev).index_copy_(0, dest_d, ids_d).view(S, L)
     fin = None
     if with_final:
-        fin = final.new_zeros(S, L, final.shape[-1])
-        fin[valid] = final
-    return FeatureBatch(tokens, lengths, torch.tensor(prompt_lens, device=dev), feats, fin)
+        fin = final.new_zeros(S * L, final.shape[-1]).index_copy_(0, dest_d, final).view(S, L, -1)
+    return FeatureBatch(tokens, lengths, plens, feats, fin, len(ids))
 
 
 def target_hidden_states(target, ids: list[int], layer_ids) -> torch.Tensor:
@@ -196,7 +216,7 @@ def anchor_range(prompt_lens: torch.Tensor, lengths: torch.Tensor) -> tuple[torc
 def block_labels(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     """The token each drafting slot predicts: ``tokens[s, anchor + offset]``, ``-100`` past the
     sequence (or for a missing anchor). Shapes: ``[S, L]``, ``[S]``, ``[S, A]`` → ``[S, A, W]``."""
-    off = torch.tensor(offsets, device=tokens.device)
+    off = to_device(torch.tensor(offsets, dtype=torch.long), tokens.device)
     pos = anchors[..., None] + off  # [S, A, W]
     ok = (anchors[..., None] >= 0) & (pos < lengths[:, None, None])
     lab = tokens.gather(1, pos.clamp(0, tokens.shape[1] - 1).flatten(1)).view_as(pos)
@@ -239,19 +259,68 @@ def block_hidden(net, embed: torch.Tensor, batch: FeatureBatch, anchors: torch.T
     return h.view(S, A, B, -1)
 
 
+def chunk_terms(net, hc: torch.Tensor, lab: torch.Tensor, pv: torch.Tensor, wc: torch.Tensor,
+                fin: torch.Tensor | None, lm_head: torch.Tensor, embed: torch.Tensor,
+                target_logits: Callable[[torch.Tensor], torch.Tensor] | None, use_conf: bool) -> torch.Tensor:
+    """The loss sums of one chunk of ``n`` slot rows: ``[4]`` = weighted cross-entropy, weighted
+    total variation to the target (0 without ``fin``), weighted confidence BCE (0 unless
+    ``use_conf``), and the number of rows whose greedy draft is right. A row labelled ``-100``
+    (no label) has weight 0: it adds nothing and is never right.
+
+    Shapes: ``hc`` ``[n, hidden]`` slot states, ``lab`` / ``pv`` ``[n]`` labels and the tokens before
+    them, ``wc`` ``[n]`` slot weights, ``fin`` ``[n, hidden]`` the target's final hidden states at
+    the label positions (or ``None``)."""
+    logits = slot_logits(net, hc, pv, lm_head, embed).float()  # [n, vocab]
+    ce = F.cross_entropy(logits, lab, reduction="none")
+    hit = (logits.argmax(-1) == lab).float()
+    tv = torch.zeros((), device=hc.device)
+    if fin is not None and target_logits is not None:
+        p = torch.softmax(target_logits(fin).float(), -1)
+        tv = (0.5 * (torch.softmax(logits, -1) - p).abs().sum(-1) * wc).sum()
+    conf = torch.zeros((), device=hc.device)
+    if use_conf:
+        conf = (F.binary_cross_entropy_with_logits(net.confidence_logit(hc, logits.detach()).float(), hit,
+                                                   reduction="none") * wc).sum()
+    return torch.stack([(ce * wc).sum(), tv, conf, hit.sum()])
+
+
+_COMPILED_TERMS: list = []  # the compiled chunk_terms, once built
+_COMPILE_FAILED: list[str] = []  # why compiling failed, if it did: the eager terms from then on
+
+
+def _compiled_chunk_terms():
+    """:func:`chunk_terms` through ``torch.compile`` (built once; row counts vary, so dynamic), or
+    the eager :func:`chunk_terms` after a failed compile."""
+    if _COMPILE_FAILED:
+        return chunk_terms
+    if not _COMPILED_TERMS:
+        _COMPILED_TERMS.append(torch.compile(chunk_terms, dynamic=True))
+    return _COMPILED_TERMS[0]
+
+
+METRICS = ("ce", "tv", "conf", "acc")
+"""The metrics :func:`block_loss` returns, in order."""
+
+
 def block_loss(net, embed: torch.Tensor, lm_head: torch.Tensor, batch: FeatureBatch, anchors: torch.Tensor,
                tc: TrainConfig, target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               chunk_rows: int = 2048) -> tuple[torch.Tensor, dict[str, float]]:
+               chunk_rows: int = 2048, compile_terms: bool = False,
+               metrics_on_device: bool = False) -> tuple[torch.Tensor, dict]:
     """The weighted loss of the blocks at ``anchors`` ``[S, A]`` (``-1``: none) over ``batch``.
 
     Args:
         target_logits: the target's logits of its final hidden states (``target.compute_logits``);
             needed for the total-variation term (``tc.tv_weight > 0``).
         chunk_rows: logits are made ``chunk_rows`` rows at a time and recomputed in backward.
+        compile_terms: run each chunk's terms (:func:`chunk_terms`) through ``torch.compile``, which
+            fuses the passes over ``[rows, vocab]`` (casts, softmaxes, reductions) into fewer kernels;
+            the same sums up to floating-point reassociation.
+        metrics_on_device: the metrics as 0-dim tensors on the device (no transfer: the training
+            loop reads them later), not floats.
 
     Returns:
-        ``(loss, metrics)``; metrics: ``ce``, ``tv``, ``conf`` (per weighted slot), ``acc`` (share
-        of labelled slots whose greedy draft is right).
+        ``(loss, metrics)``; metrics (:data:`METRICS`): ``ce``, ``tv``, ``conf`` (per weighted slot),
+        ``acc`` (share of labelled slots whose greedy draft is right).
     """
     c = net.config
     offsets = label_offsets(c.block_size, c.shift_label)
@@ -259,44 +328,44 @@ def block_loss(net, embed: torch.Tensor, lm_head: torch.Tensor, batch: FeatureBa
     W = len(slots)
     h = block_hidden(net, embed, batch, anchors)[:, :, slots]  # [S, A, W, hidden]
     labels = block_labels(batch.tokens, batch.lengths, anchors, offsets)  # [S, A, W]
-    prev_pos = (anchors.clamp(min=0)[..., None] + torch.tensor(offsets, device=h.device) - 1)
+    prev_pos = anchors.clamp(min=0)[..., None] + to_device(torch.tensor(offsets, dtype=torch.long), h.device) - 1
     prev = batch.tokens.gather(1, prev_pos.clamp(max=batch.tokens.shape[1] - 1).flatten(1)).view_as(prev_pos)
-    w = torch.exp(-torch.arange(W, device=h.device, dtype=torch.float32) / tc.decay).expand_as(labels)
-    keep = labels != -100
-    rows_h, rows_lab, rows_prev, rows_w = h[keep], labels[keep], prev[keep], w[keep]
+    keep = labels != -100  # [S, A, W]
+    w = torch.exp(-torch.arange(W, device=h.device, dtype=torch.float32) / tc.decay) * keep  # [S, A, W]
+    # every slot row, the unlabelled ones with weight 0 and label -100 (no cross-entropy, never a hit):
+    # selecting the labelled rows instead would read their count back from the GPU
+    rows_h, rows_lab, rows_prev, rows_w = h.flatten(0, 2), labels.flatten(), prev.flatten(), w.flatten()
     use_tv = tc.tv_weight > 0 and target_logits is not None and batch.final is not None
     use_conf = tc.confidence_weight > 0 and getattr(net, "confidence", None) is not None
     rows_fin = batch.final.gather(1, prev_pos.clamp(max=batch.tokens.shape[1] - 1).flatten(1)[..., None]
-                                  .expand(-1, -1, batch.final.shape[-1])).view(*prev_pos.shape, -1)[keep] \
-        if use_tv else None
+                                  .expand(-1, -1, batch.final.shape[-1])).flatten(0, 1) if use_tv else None
 
-    def chunk(hc, lab, pv, wc, fin):
-        logits = slot_logits(net, hc, pv, lm_head, embed).float()  # [n, vocab]
-        ce = F.cross_entropy(logits, lab, reduction="none")
-        out = [(ce * wc).sum(), ((logits.argmax(-1) == lab).float()).sum()]
-        tv = torch.zeros((), device=hc.device)
-        if fin is not None:
-            p = torch.softmax(target_logits(fin).float(), -1)
-            tv = 0.5 * (torch.softmax(logits, -1) - p).abs().sum(-1)
-            tv = (tv * wc).sum()
-        conf = torch.zeros((), device=hc.device)
-        if use_conf:
-            hit = (logits.argmax(-1) == lab).float()
-            conf = (F.binary_cross_entropy_with_logits(net.confidence_logit(hc, logits.detach()).float(), hit,
-                                                       reduction="none") * wc).sum()
-        return torch.stack([out[0], tv, conf, out[1]])
-
+    terms = _compiled_chunk_terms() if compile_terms else chunk_terms
     n = rows_h.shape[0]
     totals = torch.zeros(4, device=h.device)
     for a in range(0, n, chunk_rows):
         sl = slice(a, a + chunk_rows)
-        args = (rows_h[sl], rows_lab[sl], rows_prev[sl], rows_w[sl], None if rows_fin is None else rows_fin[sl])
-        totals = totals + (checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+        args = (net, rows_h[sl], rows_lab[sl], rows_prev[sl], rows_w[sl], None if rows_fin is None else rows_fin[sl],
+                lm_head, embed, target_logits if use_tv else None, use_conf)
+        run = (lambda f: checkpoint(f, *args, use_reentrant=False)) if torch.is_grad_enabled() else (lambda f: f(*args))
+        try:
+            part = run(terms)
+        except Exception as e:  # noqa: BLE001 - a compiler failure: warn once, then the eager terms
+            if terms is chunk_terms:
+                raise
+            _COMPILE_FAILED.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"compile_loss: torch.compile failed ({_COMPILE_FAILED[-1][:300]}); "
+                          "the loss runs eagerly from now on", RuntimeWarning, stacklevel=2)
+            terms = chunk_terms
+            part = run(terms)
+        totals = totals + part
     wsum = rows_w.sum().clamp(min=1e-6)
     ce, tv, conf = totals[0] / wsum, totals[1] / wsum, totals[2] / wsum
     loss = ce + (tc.tv_weight * tv if use_tv else 0) + (tc.confidence_weight * conf if use_conf else 0)
-    metrics = {"ce": ce.item(), "tv": tv.item(), "conf": conf.item(), "acc": (totals[3] / max(1, n)).item()}
-    return loss, metrics
+    stats = torch.stack([ce, tv, conf, totals[3] / keep.sum().clamp(min=1)]).detach()
+    if metrics_on_device:
+        return loss, dict(zip(METRICS, stats.unbind()))
+    return loss, dict(zip(METRICS, stats.tolist()))  # one transfer
 
 
 # -- validation -----------------------------------------------------------------------------------------
@@ -571,7 +640,9 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
     for r in runs:
         r.gen = torch.Generator(device="cpu").manual_seed(r.tc.seed * 7919 + step)
 
-    def one_step(update: bool) -> tuple[list[tuple[float, dict]], int]:
+    def one_step(update: bool) -> tuple[list[tuple[torch.Tensor, dict]], int]:
+        """One batch through every network: per network (loss, metrics) as device tensors (read
+        back later, in bulk: a step never waits for the GPU), and the batch's token count."""
         nonlocal cursor, epoch, order
         batch = _sample_batch(target, data, order, cursor, tc0, layer_ids, with_final)
         cursor += tc0.seqs_per_step
@@ -581,17 +652,19 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
         lo, hi = anchor_range(batch.prompt_lens, batch.lengths)
         out = []
         for r in runs:
-            anchors = anchors_from_uniform(lo, hi, torch.rand(len(lo), r.tc.anchors_per_seq, generator=r.gen).to(dev))
+            u = torch.rand(len(lo), r.tc.anchors_per_seq, generator=r.gen)
+            anchors = anchors_from_uniform(lo, hi, to_device(u, dev))
             with _autocast(dev):
-                loss, m = block_loss(r.net, embed, lm_head, batch, anchors, r.tc, tlogits)
+                loss, m = block_loss(r.net, embed, lm_head, batch, anchors, r.tc, tlogits,
+                                     compile_terms=r.tc.compile_loss, metrics_on_device=True)
             r.opt.zero_grad(set_to_none=True)
             loss.backward()
             if update:
                 torch.nn.utils.clip_grad_norm_(r.net.parameters(), 1.0)
                 r.opt.step()
             r.opt.zero_grad(set_to_none=True)
-            out.append((loss.item(), m))
-        return out, int(batch.lengths.sum())
+            out.append((loss.detach(), m))
+        return out, batch.num_tokens
 
     if state is None and tc0.max_seconds:  # turn the time budget into planned steps, before any update
         snap = (cursor, epoch, order)
@@ -627,6 +700,19 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
         from tqdm.auto import tqdm
 
         bar = tqdm(total=planned, initial=step, desc="train drafter" + ("s" if len(runs) > 1 else ""), unit="step")
+    pending: list[torch.Tensor] = []  # per step not yet read back: every network's (loss, acc)
+
+    def flush() -> list[float] | None:
+        """Read back the pending steps in one transfer, record their losses; the last step's values."""
+        if not pending:
+            return None
+        rows = torch.stack(pending).tolist()  # [steps, 2 * networks]
+        pending.clear()
+        for row in rows:
+            for j, r in enumerate(runs):
+                r.record["losses"].append(round(row[2 * j], 5))
+        return rows[-1]
+
     t_wall = time.perf_counter()
     for r in runs:
         r.t_start = t_wall - r.record["seconds"]
@@ -645,16 +731,20 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
                 gp["lr"] = r.tc.lr * f
             r.record["lr"].append(r.tc.lr * f)
         results, toks = one_step(True)
-        for r, (loss, _) in zip(runs, results):
-            r.record["losses"].append(round(loss, 5))
+        pending.append(torch.stack([t for loss, m in results for t in (loss, m["acc"])]))
+        for r in runs:
             r.record["tokens_seen"] += toks
         step += 1
+        last = step == planned
+        validate = val is not None and len(val) and (last or (tc0.val_every and step % tc0.val_every == 0))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss="/".join(f"{loss:.3f}" for loss, _ in results),
-                            acc="/".join(f"{m['acc']:.2f}" for _, m in results))
-        last = step == planned
-        if val is not None and len(val) and (last or (tc0.val_every and step % tc0.val_every == 0)):
+            if validate or step % 25 == 0:
+                now = flush()
+                bar.set_postfix(loss="/".join(f"{now[2 * j]:.3f}" for j in range(len(runs))),
+                                acc="/".join(f"{now[2 * j + 1]:.2f}" for j in range(len(runs))))
+        if validate:
+            now = flush() or now
             taus = simulated_taus([r.net for r in runs], target, val, [r.tc for r in runs])
             improved = [_validated(r, {"step": step, **tau}) for r, tau in zip(runs, taus)]
             for r, better in zip(runs, improved):  # every state at this step before any log: one resume point
@@ -663,12 +753,13 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
                         _save(r.net, r.job.out, r.record, step, planned, epoch, cursor)
                     else:
                         _write_state(Path(r.job.out), r.record, step, planned, epoch, cursor)
-            for r, (loss, _) in zip(runs, results):
-                log(f"{r.name + ': ' if r.name else ''}step {step}/{planned}: loss {loss:.3f}, "
+            for j, r in enumerate(runs):
+                log(f"{r.name + ': ' if r.name else ''}step {step}/{planned}: loss {now[2 * j]:.3f}, "
                     f"val tau {r.record['val'][-1]['tau']:.3f} (best {r.best:.3f})")
         if stop_after_seconds is not None and time.perf_counter() - t_wall > stop_after_seconds:
             log(f"stopping at step {step} of {planned} after {stop_after_seconds:.0f} s: resume to continue")
             break
+    flush()
     if bar is not None:
         bar.close()
     for r in runs:
@@ -825,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--compile-loss", action="store_true",
+                   help="fuse the loss's passes over the vocabulary with torch.compile (TrainConfig.compile_loss)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, spread_layer_ids
@@ -852,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
         k = KIND_SETTINGS[kind]
         tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
                          tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"],
-                         max_seconds=args.max_seconds, val_every=args.val_every, seed=args.seed)
+                         max_seconds=args.max_seconds, val_every=args.val_every, seed=args.seed,
+                         compile_loss=args.compile_loss)
         start = folder(args.resume or args.init, kind)
         if start is not None:
             net = BlockDrafterNet.load(start)
