@@ -20,9 +20,10 @@ One step (:func:`block_loss`), for ``S`` sequences and ``A`` anchors each, all i
 
 Schedule (:func:`lr_factor`): the number of steps is fixed first (a time budget is converted into
 steps by timing a few forward/backward passes); warm-up over ``warmup_frac`` of them, then cosine
-to ``min_lr_frac`` of the peak. AdamW with gradient clipping, bf16 autocast on CUDA. A step never
-waits for the GPU: index vectors built on the host go over pinned memory, unlabelled slot rows are
-weighted 0 rather than selected out, and losses are read back in bulk (at validations). With
+to ``min_lr_frac`` of the peak. AdamW with gradient clipping, bf16 autocast on CUDA. The training
+code reads nothing back from the GPU within a step: index vectors built on the host go over pinned
+memory, unlabelled slot rows are weighted 0 rather than selected out, and losses are read back in
+bulk (at validations). With
 ``TrainConfig.compile_loss`` the loss's passes over the vocabulary run through ``torch.compile``.
 
 Validation: simulated mean accepted length (tau) on held-out greedy sequences, with the engine's
