@@ -315,24 +315,32 @@ def test_loss_uses_only_context_before_each_anchor(tiny):
     assert l1.item() != pytest.approx(l3.item(), rel=1e-6)
 
 
-def test_chunked_loss_equals_one_chunk_and_its_gradients(tiny):
-    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=1)
+def _dspark_loss_case(tiny, net_seed: int, data_seed: int):
+    """A DSpark-like net with a live Markov head, 3 toy sequences with 5 anchors each, every loss term on."""
+    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=net_seed)
     with torch.no_grad():
         net.markov.up.weight.normal_(0, 0.2)
-    data = toy_data(3, seed=5)
+    data = toy_data(3, seed=data_seed)
     batch = target_features(tiny, [data.sequence(i).tolist() for i in range(3)], data.prompt_lens.tolist(), (0, 2))
     anchors = anchors_from_uniform(torch.tensor([6, 6, 6]), batch.lengths - 2, torch.rand(3, 5))
-    tc = TrainConfig(tv_weight=0.5, confidence_weight=0.3)
-    grads = []
-    for rows in (7, 10_000):
-        net.zero_grad()
-        loss, m = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, chunk_rows=rows)
-        loss.backward()
-        grads.append((loss.item(), [p.grad.clone() for p in net.parameters()], m))
-    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
-    for a, b in zip(grads[0][1], grads[1][1]):
+    return net, batch, anchors, TrainConfig(tv_weight=0.5, confidence_weight=0.3)
+
+
+def _loss_grads(tiny, net, batch, anchors, tc, **kw):
+    """``(loss, metrics, gradients)`` of one block_loss and its backward."""
+    net.zero_grad()
+    loss, m = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, **kw)
+    loss.backward()
+    return loss.item(), m, [p.grad.clone() for p in net.parameters()]
+
+
+def test_chunked_loss_equals_one_chunk_and_its_gradients(tiny):
+    net, batch, anchors, tc = _dspark_loss_case(tiny, 1, 5)
+    (l0, m0, g0), (l1, _, g1) = [_loss_grads(tiny, net, batch, anchors, tc, chunk_rows=rows) for rows in (7, 10_000)]
+    assert l0 == pytest.approx(l1, rel=1e-5)
+    for a, b in zip(g0, g1):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert grads[0][2]["tv"] > 0 and grads[0][2]["conf"] > 0
+    assert m0["tv"] > 0 and m0["conf"] > 0
 
 
 @needs_cxx
@@ -340,21 +348,9 @@ def test_compiled_loss_terms_equal_the_eager_ones_and_their_gradients(tiny):
     """``compile_terms=True`` (TrainConfig.compile_loss) runs chunk_terms through torch.compile: the
     same loss, metrics and gradients as the eager terms, with every term on (cross-entropy, total
     variation, confidence, Markov head) and chunks of different row counts (a dynamic shape)."""
-    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=3)
-    with torch.no_grad():
-        net.markov.up.weight.normal_(0, 0.2)
-    data = toy_data(3, seed=6)
-    batch = target_features(tiny, [data.sequence(i).tolist() for i in range(3)], data.prompt_lens.tolist(), (0, 2))
-    anchors = anchors_from_uniform(torch.tensor([6, 6, 6]), batch.lengths - 2, torch.rand(3, 5))
-    tc = TrainConfig(tv_weight=0.5, confidence_weight=0.3)
-    runs = []
-    for compiled in (False, True):
-        net.zero_grad()
-        loss, m = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, chunk_rows=11,
-                             compile_terms=compiled)
-        loss.backward()
-        runs.append((loss.item(), m, [p.grad.clone() for p in net.parameters()]))
-    (l0, m0, g0), (l1, m1, g1) = runs
+    net, batch, anchors, tc = _dspark_loss_case(tiny, 3, 6)
+    (l0, m0, g0), (l1, m1, g1) = [_loss_grads(tiny, net, batch, anchors, tc, chunk_rows=11, compile_terms=compiled)
+                                  for compiled in (False, True)]
     assert l1 == pytest.approx(l0, rel=1e-5)
     assert m1 == pytest.approx(m0, rel=1e-5, abs=1e-7) and m0["tv"] > 0 and m0["conf"] > 0
     for a, b in zip(g0, g1):
@@ -374,11 +370,7 @@ def test_a_failed_loss_compile_warns_once_and_the_loss_runs_eagerly(tiny, monkey
     monkeypatch.setattr(tr, "_COMPILED_TERMS", [])
     monkeypatch.setattr(tr, "_COMPILE_FAILED", [])
     monkeypatch.setattr(tr.torch, "compile", broken)
-    net = init_weights(BlockDrafterNet(dspark_cfg()), seed=4)
-    data = toy_data(2, seed=7)
-    batch = target_features(tiny, [data.sequence(i).tolist() for i in range(2)], data.prompt_lens.tolist(), (0, 2))
-    anchors = anchors_from_uniform(torch.tensor([6, 6]), batch.lengths - 2, torch.rand(2, 4))
-    tc = TrainConfig(tv_weight=0.5, confidence_weight=0.3)
+    net, batch, anchors, tc = _dspark_loss_case(tiny, 4, 7)
     eager, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits)
     with pytest.warns(RuntimeWarning, match="compile_loss: torch.compile failed"):
         first, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits, chunk_rows=5,
