@@ -83,17 +83,21 @@ _REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active", Non
 def gpu_state(index: int | None = None) -> dict:
     """The GPU's clocks, temperature, power and throttle reasons now, and the other processes on it
     (``nvidia-smi``; empty where it is missing): a timed run that follows heavy work (a training
-    run) may meet a throttled or shared GPU, which its figures alone would not tell."""
+    run) may meet a throttled or shared GPU, which its figures alone would not tell. The GPU is
+    named by its UUID; in a container nvidia-smi may list host process ids, so this process can
+    count among the others there."""
     import os
     import subprocess
 
     if not torch.cuda.is_available():
         return {}
-    index = torch.cuda.current_device() if index is None else index  # nvidia-smi's numbering where all GPUs are visible
+    index = torch.cuda.current_device() if index is None else index
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)  # the same GPU whatever the numbering
+    gpu = f"GPU-{uuid}" if uuid else str(index)
 
     def query(*args: str) -> str | None:
         try:
-            out = subprocess.run(["nvidia-smi", f"--id={index}", *args, "--format=csv,noheader,nounits"],
+            out = subprocess.run(["nvidia-smi", f"--id={gpu}", *args, "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.SubprocessError):
             return None

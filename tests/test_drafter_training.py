@@ -359,16 +359,34 @@ def test_compiled_loss_terms_equal_the_eager_ones_and_their_gradients(tiny):
         TrainConfig(compile_loss="yes")
 
 
-def test_a_failed_loss_compile_warns_once_and_the_loss_runs_eagerly(tiny, monkeypatch):
+class _FailingBackward(torch.autograd.Function):
+    """Passes its input through; its backward fails as a lazily compiled backward may."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("no compiler here")
+
+
+@pytest.mark.parametrize("fails_in", ["forward", "backward"])
+def test_a_failed_loss_compile_warns_once_and_the_loss_runs_eagerly(tiny, monkeypatch, fails_in):
+    """A compile that fails, in the forward or (compiled lazily) in the backward, costs one warning;
+    the loss and its backward then run eagerly, with the eager loss's value."""
     import specdec.drafters.training as tr
 
     def broken(fn, **kw):
         def f(*a, **k):
-            raise RuntimeError("no compiler here")
+            if fails_in == "forward":
+                raise RuntimeError("no compiler here")
+            return _FailingBackward.apply(fn(*a, **k))
         return f
 
     monkeypatch.setattr(tr, "_COMPILED_TERMS", [])
     monkeypatch.setattr(tr, "_COMPILE_FAILED", [])
+    monkeypatch.setattr(tr, "_COMPILE_PROBED", [])
     monkeypatch.setattr(tr.torch, "compile", broken)
     net, batch, anchors, tc = _dspark_loss_case(tiny, 4, 7)
     eager, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, tc, tiny.compute_logits)

@@ -287,6 +287,17 @@ def chunk_terms(net, hc: torch.Tensor, lab: torch.Tensor, pv: torch.Tensor, wc: 
 
 _COMPILED_TERMS: list = []  # the compiled chunk_terms, once built
 _COMPILE_FAILED: list[str] = []  # why compiling failed, if it did: the eager terms from then on
+_COMPILE_PROBED: list[bool] = []  # non-empty once a compiled forward and backward have run
+
+
+def _probe_backward(terms, args) -> None:
+    """One forward and backward of the compiled ``terms`` on a chunk's ``args``, untracked by the
+    caller: torch compiles the backward only when it first runs, and a failure there should fall
+    back to the eager terms like a failure in the forward, not break ``loss.backward()``."""
+    hc = args[1].detach().requires_grad_()  # a leaf: the probe's backward stays inside the terms
+    out = terms(args[0], hc, *args[2:])
+    torch.autograd.grad(out.sum(), [hc, *(p for p in args[0].parameters() if p.requires_grad)], allow_unused=True)
+    _COMPILE_PROBED.append(True)
 
 
 def _compiled_chunk_terms():
@@ -350,7 +361,11 @@ def block_loss(net, embed: torch.Tensor, lm_head: torch.Tensor, batch: FeatureBa
                 lm_head, embed, target_logits if use_tv else None, use_conf)
         run = (lambda f: checkpoint(f, *args, use_reentrant=False)) if torch.is_grad_enabled() else (lambda f: f(*args))
         try:
+            if terms is not chunk_terms and not _COMPILE_PROBED and torch.is_grad_enabled():
+                _probe_backward(terms, args)  # the backward compiles lazily: fail here, not in loss.backward()
             part = run(terms)
+        except torch.OutOfMemoryError:
+            raise
         except Exception as e:  # noqa: BLE001 - a compiler failure: warn once, then the eager terms
             if terms is chunk_terms:
                 raise

@@ -377,7 +377,11 @@ class TritonGQABackend(AttentionBackend):
         rows = np.zeros((len(batch.q_lens), width), dtype=np.int32)
         pack_meta_into(rows, batch.q_lens, batch.kv_lens, batch.page_tables, tpb)
         q_start = batch.num_tokens
-        meta = torch.from_numpy(rows).to(batch.device)
+        host = torch.from_numpy(rows)
+        # on CUDA through pinned memory, non-blocking: a copy from pageable memory would wait for
+        # every kernel queued before it (the host would stall on the GPU at each eager step's plan)
+        meta = (host.pin_memory().to(batch.device, non_blocking=True) if batch.device.type == "cuda"
+                else host.to(batch.device))
         max_kv = max(batch.kv_lens)
         chunk = split_chunk(max_kv) if q_start <= self.fixed_split_max_tokens else 0
         return TritonGQAPlan(
