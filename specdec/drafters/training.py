@@ -23,8 +23,8 @@ steps by timing a few forward/backward passes); warm-up over ``warmup_frac`` of 
 to ``min_lr_frac`` of the peak. AdamW with gradient clipping, bf16 autocast on CUDA. The training
 code reads nothing back from the GPU within a step: index vectors built on the host go over pinned
 memory, unlabelled slot rows are weighted 0 rather than selected out, and losses are read back in
-bulk (at validations). With
-``TrainConfig.compile_loss`` the loss's passes over the vocabulary run through ``torch.compile``.
+bulk (at validations). With ``TrainConfig.compile_loss`` the loss's passes over the vocabulary run
+through ``torch.compile``.
 
 Validation: simulated mean accepted length (tau) on held-out greedy sequences, with the engine's
 acceptance rule (drafts accepted while they equal the target's greedy tokens, plus the bonus
@@ -425,7 +425,6 @@ class _TauCounts:
                                            target.embed, with_confidence=True)
         labels = block_labels(batch.tokens, batch.lengths, anchors, self.offsets).view(S * A, W)
         ok = anchors.flatten() >= 0
-        match = (toks == labels) & (labels != -100)
         run = _matched(toks, labels)
         self.taus.append((1 + run.sum(1))[ok].float().cpu())
         self.sources.append(source.repeat_interleave(tc.val_anchors)[ok.cpu()])
@@ -433,7 +432,7 @@ class _TauCounts:
             prior = torch.cat([torch.ones_like(run[:, :1]), run[:, :-1]], 1).bool() & (labels != -100)
             sel = prior & ok[:, None]
             self.confs.append(conf[sel].float().cpu())
-            self.hits.append(match[sel].float().cpu())
+            self.hits.append(run[sel].float().cpu())  # where every earlier slot matched, run is this slot's match
 
     def result(self) -> dict[str, float]:
         tau = torch.cat(self.taus) if self.taus else torch.zeros(0)
@@ -658,7 +657,7 @@ def train_block_drafters(target, data: TokenData, jobs: list[TrainJob], val: Tok
 
     def one_step(update: bool) -> tuple[list[tuple[torch.Tensor, dict]], int]:
         """One batch through every network: per network (loss, metrics) as device tensors (read
-        back later, in bulk: a step never waits for the GPU), and the batch's token count."""
+        back later, in bulk), and the batch's token count."""
         nonlocal cursor, epoch, order
         batch = _sample_batch(target, data, order, cursor, tc0, layer_ids, with_final)
         cursor += tc0.seqs_per_step
