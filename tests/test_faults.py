@@ -6,8 +6,11 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec import SamplingParams, SpecEngine
 from specdec.drafters import Draft, SuffixAutomatonDrafter
@@ -240,3 +243,74 @@ def test_default_kv_size_follows_the_model_and_max_num_seqs(tiny):
     assert small.pool.num_pages == 2 * 6 + 1
     assert small.pool.num_pages * 16 * small.pool.bytes_per_token < 1 << 20  # not 1 GiB for a toy
     assert SpecEngine(tiny, kv_cache_bytes=small.pool.bytes_per_token * 16 * 3).pool.num_pages == 3
+
+
+# -- the batched draft check against the one-by-one check -------------------------------------------
+_BAD_ID = st.one_of(st.integers(-3, -1), st.integers(64, 70), st.booleans(), st.floats(0, 63), st.just(np.int64(5)))
+_BAD_CONF = st.one_of(st.floats(-0.5, -1e-9), st.floats(1 + 1e-9, 1.5), st.just(float("nan")), st.integers(0, 1),
+                      st.just(np.float32(0.5)))
+
+
+@st.composite
+def _drafts(draw):
+    """Lists of well-formed drafts (the fast path's case), and lists where one draft has one flaw."""
+    out = []
+    n = draw(st.integers(0, 5))
+    flawed = draw(st.integers(-1, n - 1))  # the draft with a flaw (-1: none)
+    for i in range(n):
+        ids = draw(st.lists(st.integers(0, 63), min_size=1 if i == flawed else 0, max_size=10))
+        conf = draw(st.one_of(st.none(), st.lists(st.floats(0, 1), min_size=len(ids), max_size=len(ids))))
+        flaw = draw(st.sampled_from(["id", "conf", "conf_len", "list", "notadraft", "probs"])) if i == flawed else ""
+        if flaw == "id":
+            ids[draw(st.integers(0, len(ids) - 1))] = draw(_BAD_ID)
+        elif flaw == "conf":
+            conf = conf or [0.5] * len(ids)
+            conf[draw(st.integers(0, len(conf) - 1))] = draw(_BAD_CONF)
+        elif flaw == "conf_len":
+            conf = (conf or []) + [0.5]
+        if flaw == "notadraft":
+            out.append(tuple(ids))
+        elif flaw == "probs":
+            out.append(Draft(tuple(ids), probs=torch.full((len(ids), 64), 1 / 64)))
+        else:
+            wrap = list if flaw == "list" else tuple
+            out.append(Draft(wrap(ids), confidence=None if conf is None else wrap(conf)))
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(_drafts(), st.integers(0, 12), st.data())
+def test_the_batched_draft_check_agrees_with_the_one_by_one_check(drafts, k, data):
+    """``_valid_drafts_fast`` (the engine's common case, all drafts at once) either declines (``None``)
+    or returns exactly what ``_valid_draft`` returns for each draft; it never accepts a draft that
+    the one-by-one check rejects."""
+    from specdec.engine import _valid_draft, _valid_drafts_fast
+
+    budgets = [data.draw(st.integers(0, k)) for _ in drafts]
+    fast = _valid_drafts_fast(drafts, k, budgets, 64)
+    one = []
+    for d, b in zip(drafts, budgets):
+        try:
+            one.append(_valid_draft(d, k, b, 64))
+        except (TypeError, ValueError):
+            one.append(None)
+    if fast is None:
+        return
+    assert None not in one
+    for f, o in zip(fast, one):
+        assert (f.token_ids, f.confidence, f.probs) == (o.token_ids, o.confidence, o.probs)
+        assert all(type(t) is int for t in f.token_ids)
+        assert f.confidence is None or all(type(c) is float for c in f.confidence)
+
+
+def test_the_batched_draft_check_takes_the_suffix_drafters_drafts():
+    """The common case is the suffix drafter's own drafts (else the fast path would never run)."""
+    from specdec.engine import _valid_drafts_fast
+
+    d = SuffixAutomatonDrafter()
+    for r, p in PROMPTS.items():
+        d.start_request(r, p)
+    drafts = d.propose(list(PROMPTS), 4)
+    assert any(len(x) for x in drafts)
+    fast = _valid_drafts_fast(drafts, 4, [2, 4, 4], 64)
+    assert fast is not None and [len(x) for x in fast] == [min(len(x), b) for x, b in zip(drafts, [2, 4, 4])]
