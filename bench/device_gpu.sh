@@ -41,6 +41,17 @@
 #                                      # GC time, cProfile and process state (then with the drafter released)
 #   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, dspark, hybrid (cost-aware, the
 #                                      # default), hybrid+nocost, hybrid+dflash
+#   bash bench/device_gpu.sh serve     # bench/serve.py: null, suffix, dflash at concurrency 1-64 and two rates
+#                                      # (stage fastapi, starlette, uvicorn, pydantic, pydantic-core,
+#                                      # annotated-types, typing-inspection, opentelemetry-api, anyio and
+#                                      # typing-extensions as stage-for-device.sh extras, at pyproject's
+#                                      # versions; carry .evaldata)
+#   bash bench/device_gpu.sh versus    # e2e null/suffix in another tree beside this one, interleaved: batch
+#                                      # 1, 8, 32 once, then batch 32 with --repeat 5, twice. BASE names the
+#                                      # tree (default .baseline), made here and carried, e.g.
+#                                      # mkdir .baseline && git archive 6ba7073 specdec bench/e2e.py
+#                                      # bench/results_io.py | tar -x -C .baseline
+#                                      # --exclude='specdec/drafters/checkpoints*'
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -161,6 +172,20 @@ for part in "$@"; do
     helix)  # Helix attention against context, cp = 1 on one GPU (cp = 2, 4 need a machine with several GPUs)
       timeout 300 torchrun --standalone --nproc-per-node 1 bench/helix.py --device cuda --out "$OUT/helix" 2>&1 \
         | grep -E "^\||Error" ;;
+    serve)  # issue 20's load bench (about 500 s for three drafters)
+      timeout 570 python bench/serve.py --device cuda --dtype bfloat16 --target smollm2-135m \
+        --questions .evaldata/question.jsonl --drafters "${DRAFTERS:-null,suffix,dflash}" --concurrency 1,8,32,64 \
+        --rates 2,8 --max-requests 80 --max-tokens 256 --max-num-seqs 64 --out "$OUT/serve_gpu" 2>&1 | tail -25 ;;
+    versus)  # issue 17's bar: today's tree against BASE's, same machine, interleaved (about 370 s)
+      base=${BASE:-.baseline}
+      e2e="bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 --drafters null,suffix --skip-hf"
+      for round in 0 1 2; do
+        sizes="--batch-sizes 32 --repeat 5"; [ "$round" = 0 ] && sizes="--batch-sizes 1,8,32"
+        timeout 150 python $e2e $sizes --out "$OUT/e2e_today_$round" 2>&1 | grep "^| specdec"
+        # the e2e script puts its own tree first on sys.path, so BASE's specdec is the one imported there
+        (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 150 python $e2e $sizes --out "$OUT/e2e_base_$round" 2>&1 \
+          | grep "^| specdec")
+      done ;;
     mla)
       timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \
         --budget-s "${MLA_GRID_S:-240}" --out "$OUT/mla" 2>&1 | tail -60 ;;

@@ -1,9 +1,10 @@
 """Load test of ``specdec serve``: streamed chat requests over Spec-Bench first turns, per drafter.
 
-On the H200 (CUDA, bf16), with Spec-Bench's ``data/spec_bench/question.jsonl``:
+On the GPU (CUDA, bf16), with Spec-Bench's ``data/spec_bench/question.jsonl`` (``bash
+bench/device_gpu.sh serve`` on the device machine, which names the server's wheels to stage):
 
     python bench/serve.py --device cuda --dtype bfloat16 --target smollm2-135m \\
-        --questions question.jsonl --drafters null,suffix,dspark --concurrency 1,8,32,64 --rates 2,8 \\
+        --questions question.jsonl --drafters null,suffix,dflash --concurrency 1,8,32,64 --rates 2,8 \\
         --max-requests 80 --max-tokens 256 --max-num-seqs 64 --out bench/results/serve_gpu
 
 CPU smoke run (about two minutes per drafter on two cores: many Spec-Bench prompts are long):
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--questions", required=True, help="Spec-Bench question.jsonl (a 'turns' list per line)")
     p.add_argument("--target", default="smollm2-135m", help="model name or HF checkpoint dir (with a chat template)")
-    p.add_argument("--drafters", default="null,suffix,dspark", help="comma-separated drafter names")
+    p.add_argument("--drafters", default="null,suffix,dflash", help="comma-separated drafter names")
     p.add_argument("--concurrency", default="1,8,32,64", help="closed-loop client counts ('' for none)")
     p.add_argument("--rates", default="2,8", help="Poisson arrival rates in requests/s ('' for none)")
     p.add_argument("--max-requests", type=int, default=80, help="requests per load")
