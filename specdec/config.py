@@ -121,6 +121,11 @@ class EngineConfig:
             (``torchrun --nproc-per-node N``; gloo on CPU, NCCL on GPU), each holding the KV pages
             it owns; the target must be MLA with heads divisible by ``N``. ``num_pages`` and
             ``kv_cache_bytes`` are then per rank.
+        attention_tp: attention tensor parallelism under Helix; 1 = off. With ``T > 1`` the group
+            has ``T * helix_cp`` processes: each computes the queries and attention of ``1 / T`` of
+            the heads over its context shard (the ``T`` processes of one shard hold the same
+            pages), and the output projection is summed over all of them. Needs ``helix_cp > 1`` and
+            heads divisible by ``T * helix_cp``.
         attention_pdl: launch the Triton attention kernels with programmatic dependent launch
             (:mod:`specdec.pdl`); ``None`` (default): where the GPU has it (SM90+). ``True`` on a GPU
             without it is an error when a step runs them. The engine builds its own backends with
@@ -144,6 +149,7 @@ class EngineConfig:
     draft_length: str = "fixed"
     cost_profile: str | None = None
     helix_cp: int = 1
+    attention_tp: int = 1
     attention_pdl: bool | None = None
 
     def __post_init__(self) -> None:
@@ -186,6 +192,8 @@ class EngineConfig:
             raise ConfigError(f"overlap_steps must be True, False or None (where it helps), got {self.overlap_steps!r}")
         if not _is_int(self.helix_cp) or self.helix_cp < 1:
             raise ConfigError(f"helix_cp must be an integer >= 1 (1 = no Helix), got {self.helix_cp!r}")
+        if not _is_int(self.attention_tp) or self.attention_tp < 1:
+            raise ConfigError(f"attention_tp must be an integer >= 1 (1 = off), got {self.attention_tp!r}")
         if self.batch_invariant and not self.cuda_graphs:
             raise ConfigError("batch_invariant=True needs cuda_graphs=True (the invariant step is a graph bucket)")
 

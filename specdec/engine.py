@@ -67,8 +67,9 @@ class SpecEngine:
         VocabMismatchError: the drafter's vocabulary differs from the target's.
         ConfigError / UnsupportedShapeError: a forced attention backend is unknown
             or cannot run this target's shapes.
-        HelixConfigError: ``helix_cp > 1`` with a non-MLA target, heads it does not divide, or
-            no process group of ``helix_cp`` ranks (see :mod:`specdec.parallel.runtime`).
+        HelixConfigError: ``helix_cp > 1`` with a non-MLA target, heads ``attention_tp * helix_cp``
+            does not divide, no process group of ``attention_tp * helix_cp`` ranks, or
+            ``attention_tp > 1`` without Helix (see :mod:`specdec.parallel.runtime`).
     """
 
     def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None, **overrides):
@@ -83,7 +84,7 @@ class SpecEngine:
             )
         tpb = cfg.tokens_per_block
         #: this rank's Helix part (docs/design.md §7), ``None`` without Helix (helix_cp == 1)
-        self.helix = helix_shard(cfg.helix_cp, target, tpb)
+        self.helix = helix_shard(cfg.helix_cp, target, tpb, cfg.attention_tp)
         draft_specs = tuple(self.drafter.kv_layer_specs())
         self.kv_decision = decide_kv_sharing(draft_specs, self.drafter.reads_managed_ctx_pages,
                                              self.drafter.reads_helix_sharded_ctx_pages, tpb,
@@ -156,7 +157,8 @@ class SpecEngine:
     def _shape_of(self):
         """``(phase, max_q_len, mixed) -> AttnShape`` of this target, cache and Helix degree."""
         cfg = self.config
-        return functools.partial(_shape_of, self.target, cfg.tokens_per_block, cfg.kv_dtype, cfg.helix_cp)
+        return functools.partial(_shape_of, self.target, cfg.tokens_per_block, cfg.kv_dtype, cfg.helix_cp,
+                                 cfg.attention_tp)
 
     # -- public API ------------------------------------------------------------
     def _draft_kv(self, draft_specs) -> DraftKV | None:
@@ -179,8 +181,9 @@ class SpecEngine:
     def kv_layout(self) -> dict:
         """Which pools exist, which layers each holds, and why (the sharing decision and its reason).
 
-        ``helix_cp`` is the Helix degree; a pool's ``sharded`` says whether it holds only this
-        rank's pages (its ``num_pages`` are then this rank's)."""
+        ``helix_cp`` is the Helix degree and ``attention_tp`` the attention tensor-parallel degree;
+        a pool's ``sharded`` says whether it holds only this rank's pages (its ``num_pages`` are then
+        this rank's)."""
         def describe(name, pool, sharded):
             return {"name": name, "tokens_per_block": pool.tokens_per_block, "num_pages": pool.num_pages,
                     "target_layers": pool.layer_ids("target"), "draft_layers": pool.layer_ids("draft"),
@@ -190,7 +193,7 @@ class SpecEngine:
         if self.draft_kv is not None and not self.draft_kv.shared:
             pools.append(describe("draft", self.draft_kv.pool, False))
         return {"pools": pools, "shared": self.kv_decision.shared, "reason": self.kv_decision.reason,
-                "helix_cp": self.config.helix_cp}
+                "helix_cp": self.config.helix_cp, "attention_tp": self.config.attention_tp}
 
     @property
     def graph_stats(self) -> dict:
@@ -789,9 +792,13 @@ class SpecEngine:
             select(shape_of(phase, q), requested=name, backends=backends)
 
 
-def _shape_of(target, tokens_per_block: int, kv_dtype, helix_cp: int, phase: str, max_q: int, mixed: bool = False):
+def _shape_of(target, tokens_per_block: int, kv_dtype, helix_cp: int, attention_tp: int, phase: str, max_q: int,
+              mixed: bool = False):
     shape = target.attn_shape(phase, max_q, tokens_per_block, mixed, kv_dtype=kv_dtype)
-    return shape if helix_cp == 1 else dataclasses.replace(shape, helix_cp=helix_cp)
+    if helix_cp == 1:
+        return shape
+    # under attention tensor parallelism a process attends only its head group's heads
+    return dataclasses.replace(shape, helix_cp=helix_cp, num_heads=shape.num_heads // attention_tp)
 
 
 def _token_id(t) -> int | None:

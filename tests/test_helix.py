@@ -206,13 +206,13 @@ def test_combine_all_empty_is_zero_with_minus_inf():
 
 # -- the distributed step on gloo -----------------------------------------------------------------
 def _cases(cp: int):
-    """(num_heads, tokens_per_block, q_lens, kv_lens): heads 16/48/96, pages 16-128, q_len 1-8, mixed
-    lengths in one batch: verify rows straddling a page boundary (rows on two ranks), verify rows
-    inside a page, decode rows of a long request and of one shorter than a page (ranks > 0 own
-    nothing of it), and a context request."""
-    for heads in (16, 48, 96):
-        for tpb in (16, 64, 128):
-            q = 8 if tpb == 16 else 4
+    """(num_heads, tokens_per_block, q_lens, kv_lens): heads 16/48/96/128, pages 16/32/64/128, q_len
+    1-8, mixed lengths in one batch: verify rows straddling a page boundary (rows on two ranks),
+    verify rows inside a page, decode rows of a long request and of one shorter than a page (ranks
+    > 0 own nothing of it), and a context request."""
+    for heads in (16, 48, 96, 128):
+        for tpb in (16, 32, 64, 128):
+            q = {16: 8, 32: 2}.get(tpb, 4)
             yield heads, tpb, (q, 2, 1, 1, 9), (tpb * 2 + q // 2, tpb + 1, tpb * cp + 5, 3, 9)
 
 
@@ -279,6 +279,26 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 cache[slots] = new[idx][:, None]
                 kv2 = (keep + len(new), *kv_lens[1:])
                 _compare(layout, rank, full, full_cache, mine, cache, q, q_lens, kv2, what + " after rollback")
+        # What travels does not grow with the context: the same batch over 8x the context sends the
+        # same all-to-all (partials and LSEs of the rows' heads), and nothing else is exchanged.
+        sent, all_to_all = [], dist.all_to_all_single
+
+        def counting(out, inp, *args, **kwargs):
+            sent.append(inp.numel())
+            return all_to_all(out, inp, *args, **kwargs)
+
+        dist.all_to_all_single = counting
+        try:
+            for ctx in (40, 320):
+                g = torch.Generator().manual_seed(ctx)
+                rows = [torch.randn(ctx, D, generator=g) for _ in range(3)]
+                lay = HelixLayout(world, 16)
+                _, _, m, c = _build(lay, rank, rows, 3 * pages_for(ctx, 16) + 2)
+                plan = plan_shard((1, 2, 1), (ctx,) * 3, [m.page_table(i) for i in range(3)], lay, rank)
+                helix_attention(plan, torch.randn(4, 16, D, generator=g), c, SCALE, LATENT)
+        finally:
+            dist.all_to_all_single = all_to_all
+        assert len(sent) == 2 and sent[0] == sent[1] == 4 * 16 * (LATENT + 1), sent
         with pytest.raises(ConfigError, match="divisible"):  # raised before any collective
             helix_attention(plan_shard((1,), (1,), [mine.page_table(0)], layout, rank),
                             torch.zeros(1, 4 * world + 1, D), cache, SCALE, LATENT)
@@ -303,14 +323,38 @@ def test_helix_attention_equals_single_rank(world, tmp_path):
                 p.terminate()
 
 
-def test_example_helix_cpu_runs():
-    """examples/helix_cpu.py under torchrun (2 ranks): the engine with cp = 2 is token-equal to cp = 1, exit 0."""
+@pytest.mark.parametrize("ranks,args", [(2, []), (4, ["--attention-tp", "2"])])
+def test_example_helix_cpu_runs(ranks, args):
+    """examples/helix_cpu.py under torchrun: the engine with cp = 2 (on 2 processes, and on 4 with
+    attention TP 2) is token-equal to cp = 1, exit 0."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(root / "examples" / "helix_cpu.py")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(root / "examples" / "helix_cpu.py"), *args],
         capture_output=True, text=True, timeout=DIST_TIMEOUT_S + 30, env=env, cwd=root,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cp=2 vs cp=1: token-equal" in done.stdout and "sharded=True" in done.stdout, done.stdout
+    assert f"attention_tp={ranks // 2}" in done.stdout, done.stdout
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=st.integers(1, 4), cp=st.integers(1, 4), per=st.integers(1, 6))
+def test_attention_tp_heads_partition_the_heads(tp, cp, per):
+    """With attention tensor parallelism, the head groups partition the heads, and the slices the
+    exchange leaves the ``tp * cp`` processes partition them too, each inside its process's group."""
+    from specdec.parallel import HelixShard
+
+    H = tp * cp * per
+    layout = HelixLayout(cp, 16)
+    shards = [HelixShard(layout, r % cp, None, tp, r // cp) for r in range(tp * cp)]
+    groups = sorted({(s.tp_heads(H).start, s.tp_heads(H).stop) for s in shards})
+    assert groups == [(t * H // tp, (t + 1) * H // tp) for t in range(tp)]
+    owned = sorted(h for s in shards for h in range(H)[s.exchanged_heads(H)])
+    assert owned == list(range(H))
+    for s in shards:
+        ex, grp = s.exchanged_heads(H), s.tp_heads(H)
+        assert grp.start <= ex.start < ex.stop <= grp.stop and ex.stop - ex.start == per
+    with pytest.raises(ConfigError, match="tp must be an integer >= 1 and tp_rank in"):
+        HelixShard(layout, 0, None, tp, tp)

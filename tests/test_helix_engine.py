@@ -62,9 +62,9 @@ def make_drafter(kind: str):
     return d
 
 
-def engine(target, drafter, cp: int, batch: int) -> SpecEngine:
-    return SpecEngine(target, drafter, helix_cp=cp, max_num_seqs=batch, num_pages=48, tokens_per_block=TPB,
-                      max_draft_tokens=DRAFT, cuda_graphs=False)
+def engine(target, drafter, cp: int, batch: int, tp: int = 1) -> SpecEngine:
+    return SpecEngine(target, drafter, helix_cp=cp, attention_tp=tp, max_num_seqs=batch, num_pages=48,
+                      tokens_per_block=TPB, max_draft_tokens=DRAFT, cuda_graphs=False)
 
 
 def check_shares(e: SpecEngine) -> None:
@@ -111,12 +111,13 @@ def _init(rank: int, world: int, store: str) -> None:
 
 
 # -- token equality with cp = 1 -------------------------------------------------------------------
-def _equal_worker(rank: int, world: int, store: str, heads: int, runs, want) -> None:
+def _equal_worker(rank: int, world: int, store: str, heads: int, runs, want, tp: int = 1) -> None:
     _init(rank, world, store)
+    cp = world // tp
     try:
         target = make_target(heads)
         for kind, batch in runs:
-            with engine(target, make_drafter(kind), world, batch) as e:
+            with engine(target, make_drafter(kind), cp, batch, tp) as e:
                 layout = e.kv_layout
                 ids = [e.add_request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in PROMPTS]
                 steps = 0
@@ -128,10 +129,10 @@ def _equal_worker(rank: int, world: int, store: str, heads: int, runs, want) -> 
                 backends = e.graph_stats["backends"]
             got = [o.token_ids for o in outs]
             drafted, accepted = sum(o.stats.drafted for o in outs), sum(o.stats.accepted for o in outs)
-            what = f"rank {rank}, cp={world}, H={heads}, drafter {kind}, batch {batch}"
+            what = f"rank {rank}, cp={cp}, tp={tp}, H={heads}, drafter {kind}, batch {batch}"
             assert got == want, f"{what}: outputs differ from cp = 1"
             assert set(backends) <= {"context:helix_ref", "generation:helix_ref"}, (what, backends)
-            assert layout["helix_cp"] == world and layout["pools"][0]["sharded"]
+            assert layout["helix_cp"] == cp and layout["attention_tp"] == tp and layout["pools"][0]["sharded"]
             if kind == "dspark":  # reads sharded pages: its K-only latent layers join the sharded target pool
                 assert layout["shared"] and len(layout["pools"]) == 1 and layout["pools"][0]["draft_layers"]
                 assert "sharded across the" in layout["reason"], layout
@@ -158,6 +159,14 @@ def test_helix_engine_equals_cp1(heads):
 def test_helix_engine_four_ranks_equals_cp1():
     """cp = 4 (48 heads: 12 per rank after the exchange), MLA DSpark and the suffix drafter, batch 4."""
     _spawn(_equal_worker, 4, 48, [("dspark", 4), ("suffix", 4)], reference(48))
+
+
+def test_helix_with_attention_tp_equals_cp1():
+    """Attention tensor parallelism 2 x context parallelism 2 on four processes (96 heads: 48 a head
+    group, 24 a process after the exchange; the latent cache's shards duplicated across the head
+    groups): MLA DSpark (sharded context) at batch 1 and the suffix drafter at batch 4, token-equal to
+    cp = 1."""
+    _spawn(_equal_worker, 4, 96, [("dspark", 1), ("suffix", 4)], reference(96), 2)
 
 
 # -- rank-owned writes ----------------------------------------------------------------------------
@@ -241,14 +250,22 @@ def test_helix_config_errors(tiny, tmp_path):
         SpecEngine(tiny, helix_cp=2)
     mla = MLATarget.random(num_heads=6, num_layers=1, hidden_size=64, vocab_size=64, kv_lora_rank=32, q_lora_rank=None,
                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-    with pytest.raises(HelixConfigError, match=r"helix_cp must divide the target's attention heads \(6\)"):
+    with pytest.raises(HelixConfigError, match=r"\(4\) must divide the target's attention heads \(6\)"):
         SpecEngine(mla, helix_cp=4)
+    with pytest.raises(HelixConfigError, match=r"\(12\) must divide the target's attention heads \(6\)"):
+        SpecEngine(mla, helix_cp=3, attention_tp=4)
+    with pytest.raises(ConfigError, match="attention_tp must be an integer >= 1"):
+        SpecEngine(mla, attention_tp=0)
+    with pytest.raises(HelixConfigError, match="attention_tp=2 .* needs helix_cp > 1"):
+        SpecEngine(mla, attention_tp=2)
     with pytest.raises(HelixConfigError, match="torchrun --nproc-per-node 2"):
         SpecEngine(mla, helix_cp=2)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(HelixConfigError, match=r"equal the process group's size \(1\), got 3"):
+        with pytest.raises(HelixConfigError, match=r"equal the process group's size \(1\), got helix_cp=3"):
             SpecEngine(mla, helix_cp=3)
+        with pytest.raises(HelixConfigError, match=r"size \(1\), got helix_cp=2 with attention_tp=3"):
+            SpecEngine(mla, helix_cp=2, attention_tp=3)
     finally:
         dist.destroy_process_group()
 

@@ -47,12 +47,12 @@ class AttentionMetadata:
     shard: Any = None
 
     def local_heads(self, num_heads: int) -> slice:
-        """The heads :meth:`attend` returns with ``local_heads=True``: under Helix this rank's
-        ``num_heads / cp`` (the ones the exchange by head leaves it), else all of them."""
+        """The heads (of the layer's ``num_heads``) :meth:`attend` returns with ``local_heads=True``:
+        under Helix the ``num_heads / (tp * cp)`` the exchange by head leaves this process
+        (:meth:`~specdec.parallel.helix.HelixShard.exchanged_heads`), else all of them."""
         if self.shard is None:
             return slice(0, num_heads)
-        per = num_heads // self.shard.cp
-        return slice(self.shard.rank * per, (self.shard.rank + 1) * per)
+        return self.shard.exchanged_heads(num_heads)
 
     @property
     def backends(self) -> dict[str, str]:

@@ -111,22 +111,51 @@ class HelixShard:
     Attention metadata, KV views and drafters carry it so that whatever reads a request's
     pages knows they hold only this rank's share and whom to merge partials with.
 
+    With attention tensor parallelism (``tp > 1``) the ``tp * cp`` processes form a grid: process
+    ``tp_rank * cp + rank`` computes the queries and attention of heads ``[tp_rank * H / tp,
+    (tp_rank + 1) * H / tp)`` over context shard ``rank``. The ``cp`` processes of one ``tp_rank``
+    form its context-parallel ``group`` (they exchange partials by head); the ``tp`` processes of
+    one ``rank`` hold the same shard (MLA's latent cache serves every head).
+
     Attributes:
         layout: the ownership rule shared by all ranks.
-        rank: this rank, in ``[0, layout.cp)``.
-        group: the ``torch.distributed`` group of the ``cp`` ranks (``None``: the default group).
+        rank: this process's context shard, in ``[0, layout.cp)``.
+        group: the ``torch.distributed`` group of the ``cp`` processes sharing this ``tp_rank``
+            (``None``: the default group, when ``tp == 1``).
+        tp: attention tensor-parallel degree (1: every process computes every head).
+        tp_rank: this process's head group, in ``[0, tp)``.
+        world_group: the group of all ``tp * cp`` processes, over which the head-parallel output
+            projection is summed and the pool size agreed (``None``: the default group).
     """
 
     layout: HelixLayout
     rank: int
     group: object = None
+    tp: int = 1
+    tp_rank: int = 0
+    world_group: object = None
 
     def __post_init__(self) -> None:
         self.layout._check_rank(self.rank)
+        if not isinstance(self.tp, int) or self.tp < 1 or not 0 <= self.tp_rank < self.tp:
+            raise ConfigError(f"tp must be an integer >= 1 and tp_rank in [0, tp), got tp={self.tp!r}, "
+                              f"tp_rank={self.tp_rank!r}")
 
     @property
     def cp(self) -> int:
         return self.layout.cp
+
+    def tp_heads(self, num_heads: int) -> slice:
+        """The heads this process computes queries and attention for: all of them with ``tp == 1``."""
+        per = num_heads // self.tp
+        return slice(self.tp_rank * per, (self.tp_rank + 1) * per)
+
+    def exchanged_heads(self, num_heads: int) -> slice:
+        """The heads the exchange by head leaves this process, over the whole context: ``num_heads /
+        (tp * cp)`` of them, inside :meth:`tp_heads`."""
+        per = num_heads // (self.tp * self.layout.cp)
+        first = (self.tp_rank * self.layout.cp + self.rank) * per
+        return slice(first, first + per)
 
 
 class HelixKVManager:

@@ -40,40 +40,61 @@ def init_process_group(device: torch.device | str = "cpu") -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def helix_shard(helix_cp: int, target, tokens_per_block: int) -> HelixShard | None:
-    """This rank's Helix part for an engine with ``helix_cp`` ranks, after checking the setup.
+def helix_shard(helix_cp: int, target, tokens_per_block: int, attention_tp: int = 1) -> HelixShard | None:
+    """This process's Helix part for an engine with ``helix_cp`` context ranks, each of
+    ``attention_tp`` processes (attention tensor parallelism), after checking the setup.
+
+    Process ``r`` of the ``attention_tp * helix_cp`` takes context shard ``r % helix_cp`` and head
+    group ``r // helix_cp`` (see :class:`~specdec.parallel.helix.HelixShard`). With
+    ``attention_tp > 1`` every process creates the ``attention_tp`` context-parallel subgroups, in
+    the same order (``torch.distributed.new_group`` is collective).
 
     Args:
         helix_cp: ``EngineConfig.helix_cp``.
         target: the engine's target (its attention shape says whether it is MLA and how many heads).
         tokens_per_block: the KV page size (the ownership chunk).
+        attention_tp: ``EngineConfig.attention_tp``.
 
     Returns:
-        ``None`` for ``helix_cp == 1``; otherwise the rank's shard over the default process group.
+        ``None`` for ``helix_cp == 1``; otherwise this process's shard.
 
     Raises:
         HelixConfigError: the target is not MLA (Helix shards a K-only latent cache), its heads do
-            not split evenly across the ranks, no process group is initialized, or the group's
-            size is not ``helix_cp``.
+            not split evenly across ``attention_tp * helix_cp``, no process group is initialized,
+            its size is not ``attention_tp * helix_cp``, or ``attention_tp > 1`` without Helix.
     """
     if helix_cp == 1:
+        if attention_tp != 1:
+            raise HelixConfigError(f"attention_tp={attention_tp} splits the heads of Helix's context ranks: it needs "
+                                   "helix_cp > 1 (attention tensor parallelism alone is not offered)")
         return None
+    n = helix_cp * attention_tp
+    what = f"helix_cp={helix_cp}" + (f" with attention_tp={attention_tp}" if attention_tp > 1 else "")
     shape = target.attn_shape("generation", 1, tokens_per_block)
     if shape.kind != "mla":
-        raise HelixConfigError(f"helix_cp={helix_cp} needs an MLA target (Helix shards its K-only latent cache); "
+        raise HelixConfigError(f"{what} needs an MLA target (Helix shards its K-only latent cache); "
                                f"target {getattr(target, 'name', type(target).__name__)!r} has {shape.kind!r} "
                                "attention: use helix_cp=1")
-    if shape.num_heads % helix_cp:
-        raise HelixConfigError(f"helix_cp must divide the target's attention heads ({shape.num_heads}): "
-                               f"the all-to-all splits heads across ranks; got helix_cp={helix_cp}")
+    if shape.num_heads % n:
+        raise HelixConfigError(f"helix_cp * attention_tp ({n}) must divide the target's attention heads "
+                               f"({shape.num_heads}): the all-to-all splits each head group across the context "
+                               f"ranks; got {what}")
     if not dist.is_available() or not dist.is_initialized():
-        raise HelixConfigError(f"helix_cp={helix_cp} needs a torch.distributed process group of {helix_cp} ranks: "
-                               f"launch with `torchrun --nproc-per-node {helix_cp} ...` and call "
+        raise HelixConfigError(f"{what} needs a torch.distributed process group of {n} ranks: "
+                               f"launch with `torchrun --nproc-per-node {n} ...` and call "
                                "specdec.parallel.init_process_group() (gloo on CPU, nccl on GPU) first")
     world = dist.get_world_size()
-    if world != helix_cp:
-        raise HelixConfigError(f"helix_cp must equal the process group's size ({world}), got {helix_cp}")
-    return HelixShard(HelixLayout(helix_cp, tokens_per_block), dist.get_rank(), None)
+    if world != n:
+        raise HelixConfigError(f"helix_cp * attention_tp must equal the process group's size ({world}), got {what}")
+    rank = dist.get_rank()
+    group = None
+    if attention_tp > 1:  # every process creates every subgroup, in order; keeps its own
+        for t in range(attention_tp):
+            g = dist.new_group(list(range(t * helix_cp, (t + 1) * helix_cp)))
+            if t == rank // helix_cp:
+                group = g
+    return HelixShard(HelixLayout(helix_cp, tokens_per_block), rank % helix_cp, group, attention_tp,
+                      rank // helix_cp, None)
 
 
 def local_num_pages(num_pages: int, shard: HelixShard | None) -> int:
@@ -82,7 +103,7 @@ def local_num_pages(num_pages: int, shard: HelixShard | None) -> int:
     if shard is None:
         return num_pages
     n = torch.tensor([num_pages], dtype=torch.long)
-    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=shard.group)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=shard.world_group)
     return int(n.item())
 
 

@@ -462,31 +462,38 @@ class MLATarget:
         """Absorbed MLA of one layer. ``h``: ``[T, hidden]`` → ``[T, hidden]``; ``kv_scale``: of an FP8 cache."""
         c = self.config
         T, H, nope, rope, r = h.shape[0], c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        shard = getattr(attn, "shard", None)
+        # attention tensor parallelism (Helix with tp > 1): this process's queries are its head group's
+        heads = slice(0, H) if shard is None else shard.tp_heads(H)
+        Hq = heads.stop - heads.start
         q, kv = F.linear(h, L.w_a, L.b_a).split([L.w_a.shape[0] - r - rope, r + rope], dim=-1)
-        if L.w_q_b is not None:
-            q = F.linear(rms_norm(q, L.q_a_norm, LATENT_NORM_EPS), L.w_q_b)
-        q_nope, q_rope = q.view(T, H, nope + rope).split([nope, rope], dim=-1)  # [T, H, nope], [T, H, rope]
+        if L.w_q_b is not None:  # only its head group's rows of q_b
+            w_q_b = L.w_q_b if Hq == H else L.w_q_b[heads.start * (nope + rope) : heads.stop * (nope + rope)]
+            q = F.linear(rms_norm(q, L.q_a_norm, LATENT_NORM_EPS), w_q_b).view(T, Hq, nope + rope)
+        else:
+            q = q.view(T, H, nope + rope)[:, heads]
+        q_nope, q_rope = q.split([nope, rope], dim=-1)  # [T, Hq, nope], [T, Hq, rope]
         c_kv, k_rope = kv.split([r, rope], dim=-1)
         c_kv = rms_norm(c_kv, L.kv_a_norm, LATENT_NORM_EPS)  # [T, r]
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None, :], cos, sin)  # [T, 1, rope]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, L.w_uk)  # [T, H, r]
-        q = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, r + rope]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, L.w_uk[heads])  # [T, Hq, r]
+        q = torch.cat([q_lat, q_rope], dim=-1)  # [T, Hq, r + rope]
         k = torch.cat([c_kv[:, None, :], k_rope], dim=-1)  # [T, 1, r + rope]
-        shard = getattr(attn, "shard", None)
         if shard is None:
             o_lat = attn.attend(q, k, None, k_cache, None, self.scale, r, kv_scale=kv_scale)  # [T, H, r]
             o = torch.einsum("thr,hvr->thv", o_lat, L.w_uv)  # [T, H, v]
             return F.linear(o.reshape(T, H * c.v_head_dim), L.w_o, L.b_o)
-        # Helix: head-parallel output projection. The exchange by head left this rank its heads'
+        # Helix: head-parallel output projection. The exchange by head left this process its heads'
         # outputs over the whole context; it projects them with its columns of o_proj, and one
-        # all-reduce of [T, hidden] sums the ranks' parts (instead of gathering [T, H, r] first).
-        heads = attn.attend(q, k, None, k_cache, None, self.scale, r, kv_scale=kv_scale, local_heads=True)  # [T, H/cp, r]
+        # all-reduce of [T, hidden] over all tp * cp processes sums the parts (instead of gathering
+        # [T, H, r] first).
+        out = attn.attend(q, k, None, k_cache, None, self.scale, r, kv_scale=kv_scale, local_heads=True)  # [T, H/(tp cp), r]
         own = attn.local_heads(H)
-        o = torch.einsum("thr,hvr->thv", heads, L.w_uv[own])  # [T, H/cp, v]
+        o = torch.einsum("thr,hvr->thv", out, L.w_uv[own])  # [T, H/(tp cp), v]
         cols = slice(own.start * c.v_head_dim, own.stop * c.v_head_dim)
-        # [T, hidden]: each rank's part in the compute dtype, the sum over ranks in fp32
+        # [T, hidden]: each process's part in the compute dtype, the sum over processes in fp32
         part = F.linear(o.reshape(T, -1), L.w_o[:, cols]).float()
-        dist.all_reduce(part, group=shard.group)
+        dist.all_reduce(part, group=shard.world_group)
         out = part.to(h.dtype)
         return out if L.b_o is None else out + L.b_o
 
