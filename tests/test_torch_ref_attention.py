@@ -112,7 +112,25 @@ def run_step(context, generation, *, h, hkv, d, dv, tpb, k_only=False, seed=0, e
         naive_attention(qr, kk, vv, torch.arange(kv - ql, kv), scale)
         for qr, kk, vv, (ql, kv) in zip(q_rows, dense_k, dense_v, reqs)
     ])
+    # The backend's LSE output: the same attention from explicit scores, and each row's natural-log
+    # log-sum-exp of its scaled, causally masked scores (what Helix's combine merges partials by).
+    for p in attn.phases:
+        rows = slice(p.start, p.stop)
+        got, lse = p.backend.run(p.plan, q[rows], k_cache, v_cache, scale, dv, return_lse=True)
+        assert lse.shape == (p.stop - p.start, h) and lse.dtype == torch.float32
+        torch.testing.assert_close(got, out[rows], rtol=RTOL, atol=ATOL)
+        want_lse = torch.cat([naive_lse(qr, kk, torch.arange(kv - ql, kv), scale)
+                              for qr, kk, (ql, kv) in zip(q_rows, dense_k, reqs)])[rows]
+        torch.testing.assert_close(lse.double(), want_lse, rtol=RTOL, atol=ATOL)
     return out, expected, attn, calls
+
+
+def naive_lse(q, k, q_pos, scale):
+    """``logsumexp`` of one request's causally masked, scaled scores in float64: ``[q_len, H]``."""
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->qhk", q.double(), k) * scale
+    causal = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]  # [q_len, kv_len]
+    return scores.masked_fill(~causal[:, None, :], float("-inf")).logsumexp(-1)
 
 
 def check(out, expected, num_tokens, h, dv):

@@ -71,8 +71,17 @@ class TorchRefBackend(AttentionBackend):
         )
 
     def run(
-        self, plan: RefPlan, q, k_cache, v_cache, scale: float, v_head_dim: int, *, kv_scale: float = 1.0
-    ) -> torch.Tensor:
+        self, plan: RefPlan, q, k_cache, v_cache, scale: float, v_head_dim: int, *, kv_scale: float = 1.0,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`AttentionBackend.run`.
+
+        Args:
+            return_lse: also return each row's natural-log log-sum-exp of its scaled scores,
+                ``[num_tokens, H]`` fp32, as ``triton_mla`` does (the quantity Helix's combine
+                merges partials by, :func:`~specdec.parallel.helix.combine_partials`); the output
+                then comes from explicit scores in fp32 rather than ``scaled_dot_product_attention``.
+        """
         num_heads = q.shape[1]
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[plan.q_index]  # [B, max_q, H, D]
         k = _gather(k_cache, plan.gather)  # [B, max_kv, Hkv, D]
@@ -80,6 +89,8 @@ class TorchRefBackend(AttentionBackend):
         k, v = k.to(q.dtype), v.to(q.dtype)
         if kv_scale != 1.0:  # dequantise an FP8 cache (per-tensor scale)
             k, v = k * kv_scale, v * kv_scale
+        if return_lse:
+            return self._with_lse(plan, q_pad, k, v, scale, q.dtype)
         if k.shape[2] == 1 and num_heads > 1:
             # One KV head (MLA's latent): fold the heads into the query rows instead of letting
             # enable_gqa copy K and V once per head. The same attention, row by row.
@@ -100,6 +111,23 @@ class TorchRefBackend(AttentionBackend):
         )  # [B, H, max_q, Dv]
         out = out.transpose(1, 2).reshape(-1, num_heads, v_head_dim)  # [B * max_q, H, Dv]
         return out[plan.out_index]
+
+
+    @staticmethod
+    def _with_lse(plan: RefPlan, q_pad, k, v, scale: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention and its log-sum-exp from explicit fp32 scores (``q_pad [B, max_q, H, D]``,
+        ``k [B, max_kv, Hkv, D]``, ``v [B, max_kv, Hkv, Dv]``): ``([T, H, Dv], [T, H])``."""
+        B, max_q, H, _ = q_pad.shape
+        group = H // k.shape[2]  # query head h reads KV head h // group
+        k, v = k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q_pad.float(), k) * scale  # [B, H, max_q, max_kv]
+        if plan.mask is not None:
+            scores = scores.masked_fill(~plan.mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, H, max_q]
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row with no key: 0
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v)  # [B, max_q, H, Dv]
+        out = out.reshape(B * max_q, H, -1)[plan.out_index].to(dtype)
+        return out, lse.transpose(1, 2).reshape(B * max_q, H)[plan.out_index]
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
