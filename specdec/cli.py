@@ -50,6 +50,28 @@ def _check_flags(args) -> None:
 
         if args.drafter not in available_drafters():
             raise ConfigError(f"--drafter must be one of {available_drafters()}, got {args.drafter!r}")
+    _drafter_kwargs(args)
+
+
+def _drafter_kwargs(args) -> dict:
+    """The drafter's own settings from the flags (``--global-budget-tokens``).
+
+    Raises:
+        ConfigError: a setting for a drafter that has none, or an invalid value.
+    """
+    from specdec.errors import ConfigError
+
+    budget = getattr(args, "global_budget_tokens", None)
+    if budget is None:
+        return {}
+    if args.drafter != "suffix":
+        raise ConfigError(f"--global-budget-tokens sets the suffix drafter's global automaton: it needs "
+                          f"--drafter suffix, got {args.drafter!r}")
+    if budget.lower() == "none":
+        return {"global_budget_tokens": None}
+    if not budget.isdigit() or int(budget) < 1:
+        raise ConfigError(f"--global-budget-tokens must be an integer >= 1 or 'none' (unbounded), got {budget!r}")
+    return {"global_budget_tokens": int(budget)}
 
 
 def _engine(args, **overrides):
@@ -63,7 +85,7 @@ def _engine(args, **overrides):
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw,
                           **overrides)  # checked first
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-    drafter = make_drafter(args.drafter)  # the engine's max_draft_tokens caps every drafter's drafts
+    drafter = make_drafter(args.drafter, **_drafter_kwargs(args))  # the engine's max_draft_tokens caps its drafts
     return SpecEngine(target, drafter, config)
 
 
@@ -183,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     # sampling is per request (the request body); the engine's flags only
     s.add_argument("--target", default="smollm2-135m", help="model name, HF checkpoint dir or .gguf file")
     s.add_argument("--drafter", default="suffix", help="registered drafter name (null, suffix, ...)")
+    s.add_argument("--global-budget-tokens", default=None, metavar="N|none",
+                   help="the suffix drafter's global automaton: most tokens of finished responses it indexes, "
+                        "oldest dropped first (default: the drafter's, 262144, about 256 MB; none: unbounded)")
     s.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

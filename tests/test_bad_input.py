@@ -166,6 +166,9 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["generate", "x", "--temperature", "-1"], "temperature must be"),
     (["generate", "x", "--device", "tpu"], "device must be"),
     (["generate", "x", "--target", "/no/such/model"], "UnknownTargetError"),
+    (["serve", "--drafter", "null", "--global-budget-tokens", "100"], "it needs --drafter suffix, got 'null'"),
+    (["serve", "--global-budget-tokens", "0"], "--global-budget-tokens must be an integer >= 1 or 'none'"),
+    (["serve", "--global-budget-tokens", "lots"], "--global-budget-tokens must be an integer >= 1 or 'none'"),
 ])
 def test_cli_reports_bad_flags_before_loading_the_model(argv, message, capsys):
     # --target points nowhere unless the case is about it: any load would fail differently
@@ -241,3 +244,17 @@ def test_bad_problem_ranges_are_config_errors(text):
 
     with pytest.raises(ConfigError, match="problem range"):
         parse_range(text)
+
+
+def test_cli_global_budget_tokens_reaches_the_suffix_drafter():
+    """``specdec serve --global-budget-tokens``: a count, ``none`` (unbounded), or the drafter's default."""
+    import argparse
+
+    from specdec.cli import _drafter_kwargs
+    from specdec.drafters import make_drafter
+
+    for flag, want in (("1024", 1024), ("none", None), ("NONE", None)):
+        kwargs = _drafter_kwargs(argparse.Namespace(drafter="suffix", global_budget_tokens=flag))
+        assert kwargs == {"global_budget_tokens": want}
+        assert make_drafter("suffix", **kwargs).global_budget_tokens == want
+    assert _drafter_kwargs(argparse.Namespace(drafter="null", global_budget_tokens=None)) == {}
