@@ -18,6 +18,7 @@ token, O(k) per draft of k tokens: nothing is rescanned.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from typing import Iterable, Sequence
 
@@ -65,6 +66,8 @@ def token_confidence(hits: int, total: int, distinct: int, context_len: int, own
 # token_confidence of the common case, a context never continued again with one continuation
 # (9 of 10 drafted tokens), by source and match length: one lookup on the drafting path
 _UNSEEN = tuple(tuple(token_confidence(0, 0, 1, n, own) for n in range(1024)) for own in (False, True))
+# the other cases repeat too (the same counts at the same match lengths, step after step)
+_confidence = functools.lru_cache(maxsize=1 << 14)(token_confidence)
 
 
 class SuffixAutomaton:
@@ -439,7 +442,7 @@ class SuffixAutomatonDrafter(Drafter):
             if tokens:  # each token's calibrated probability of acceptance (hybrid, draft_length="confidence")
                 own = automaton is sam
                 unseen = _UNSEEN[own]
-                conf = [unseen[n] if t == 0 and d == 1 and n < 1024 else token_confidence(h, t, d, n, own)
+                conf = [unseen[n] if t == 0 and d == 1 and n < 1024 else _confidence(h, t, d, n, own)
                         for n, (h, t, d) in enumerate(counts, length)]
                 if explain is not None:
                     explain += [(tok, c, *n, length, own) for tok, c, n in zip(tokens, conf, counts)]
