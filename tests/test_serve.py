@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import tiny_llama
 from specdec import SamplingParams, SpecEngine
@@ -519,3 +521,31 @@ def test_bench_serve_runs_end_to_end_on_smollm2(tmp_path):
         assert r["mean_accepted_length"] == 1.0 or (r["drafter"] == "suffix" and r["mean_accepted_length"] > 1.0)
     table = (tmp_path / "out" / "serve.md").read_text()
     assert table.startswith("`python bench/serve.py --questions") and "| suffix | rate 4 | 2 | 0 |" in table
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=60), cuts=st.lists(st.integers(1, 6), min_size=1),
+       stop=st.sampled_from([(), ("\n",), ("def", "##")]))
+def test_streamed_text_is_decoded_incrementally_and_equals_the_whole_decode(smollm2, ids, cuts, stop):
+    """The driver decodes each step's tokens in a window (not the whole output again): over any token
+    ids (multi-byte characters split across tokens included) arriving in any chunks, the text it has
+    released is always a prefix of the whole decode, and once everything arrived it is the whole
+    decode (without a partial character, and up to a tail that could still grow into a stop string)."""
+    from types import SimpleNamespace
+
+    from specdec.serve.driver import EngineDriver, Handle
+
+    tok = smollm2.tokenizer
+    driver = SimpleNamespace(tokenizer=tok)
+    h = Handle("r", SimpleNamespace(params=SimpleNamespace(stop=stop)))
+    at, i = 0, 0
+    while at < len(ids):
+        step = cuts[i % len(cuts)]
+        h.token_ids += ids[at : at + step]
+        at, i = at + step, i + 1
+        text = EngineDriver._safe_text(driver, h)
+        whole = tok.decode(h.token_ids, skip_special_tokens=True)
+        assert whole.startswith(text) or h.whole, (text, whole)
+    whole = tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert whole.startswith(text) and len(whole) - len(text) < max([len(s) for s in stop] + [1])

@@ -47,6 +47,12 @@ class Handle:
     token_ids: list[int] = field(default_factory=list)
     sent: str = ""
     done: bool = False
+    #: incremental detokenisation: the text of ``token_ids[:read]``, built from windows that
+    #: start at ``prefix`` (a few tokens back, so a character split across tokens decodes whole)
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+    whole: bool = False  # the tokenizer rewrote text across a window: decode the whole output from now on
 
 
 class EngineDriver:
@@ -241,10 +247,28 @@ class EngineDriver:
 
     def _safe_text(self, h: Handle) -> str:
         """The output text that can be sent now: without a trailing partial character, and without
-        a tail that could still grow into a stop string (the engine cuts stop strings at the end)."""
+        a tail that could still grow into a stop string (the engine cuts stop strings at the end).
+
+        Decoded incrementally: each step decodes only the tokens since the last complete
+        character (and the window before them), not the whole output, so a step costs the same
+        at token 10 and at token 10,000. A window whose decode does not extend the one before
+        (a tokenizer that rewrites text across tokens) falls back to decoding the whole output."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        decode, ids = self.tokenizer.decode, h.token_ids
+        tail = ""  # the new complete characters before a partial one (released, not yet committed)
+        if not h.whole:
+            before = decode(ids[h.prefix : h.read], skip_special_tokens=True)
+            window = decode(ids[h.prefix :], skip_special_tokens=True)
+            h.whole = not window.startswith(before)
+            if not h.whole and window.endswith("\ufffd"):
+                tail = window[len(before):].rstrip("\ufffd")
+            elif not h.whole and len(window) > len(before):
+                h.text += window[len(before):]
+                h.prefix, h.read = h.read, len(ids)
+        if h.whole:
+            h.text = decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+        text = h.text + tail
         hold = 0
         for s in h.job.params.stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
