@@ -549,3 +549,30 @@ def test_streamed_text_is_decoded_incrementally_and_equals_the_whole_decode(smol
         assert whole.startswith(text) or h.whole, (text, whole)
     whole = tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     assert whole.startswith(text) and len(whole) - len(text) < max([len(s) for s in stop] + [1])
+
+
+def test_a_stream_that_fell_behind_sends_the_waiting_steps_as_one_chunk():
+    """Events already waiting merge into one chunk (text and ids in order), up to the one that ends
+    the request; an engine error after some text keeps that text apart, to be sent before the error."""
+    import asyncio
+
+    from specdec.serve.app import next_events
+    from specdec.serve.driver import Event
+
+    async def drain(events):
+        q = asyncio.Queue()
+        for e in events:
+            q.put_nowait(e)
+        got = []
+        while not q.empty():
+            got.append(await next_events(q))
+        return got
+
+    end = object()
+    got = asyncio.run(drain([Event("a", [1]), Event("b", [2, 3]), Event("c", [4], end), Event("x", [9])]))
+    assert [(e.text, e.token_ids, e.output, f) for e, f in got] == [("abc", [1, 2, 3, 4], end, None),
+                                                                   ("x", [9], None, None)]
+    failed = Event("", [], None, "boom")
+    got = asyncio.run(drain([Event("a", [1]), failed, Event("z", [5])]))
+    assert [(e.text, e.token_ids, f) for e, f in got] == [("a", [1], failed), ("z", [5], None)]
+    assert [(e.text, f) for e, f in asyncio.run(drain([failed]))] == [("", failed)]

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdec.serve.config import ServeConfig
-from specdec.serve.driver import EngineDriver, Handle
+from specdec.serve.driver import EngineDriver, Event, Handle
 from specdec.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specdec.serve.protocol import APIError, chunk, new_id, parse_job, response, usage_chunk
 
@@ -136,9 +136,11 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         if kind == "chat":
             yield _sse(chunk(kind, rid, model, None, [], None, role=True))
         while True:
-            ev = await handle.events.get()
-            if ev.error is not None:
-                yield _sse(APIError(500, ev.error, type="server_error").body())
+            ev, failed = await next_events(handle.events)
+            if failed is not None:
+                if ev.text or ev.token_ids:
+                    yield _sse(chunk(kind, rid, model, ev.text, ev.token_ids, None))
+                yield _sse(APIError(500, failed.error, type="server_error").body())
                 break
             out = ev.output
             if ev.text or ev.token_ids or out is not None:
@@ -150,6 +152,27 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     return app
+
+
+async def next_events(events: asyncio.Queue) -> tuple[Event, Event | None]:
+    """The next event of a stream merged with those already waiting behind it, so that a stream
+    that fell behind the engine's steps sends one chunk for them, not one per step.
+
+    Returns:
+        ``(event, failed)``: the merged text and token ids (and the final output, if one of them
+        ended the request); ``failed`` is the event that carried an engine error, if one did
+        (the text before it is in ``event``).
+    """
+    ev = await events.get()
+    if ev.error is not None:
+        return Event("", []), ev
+    text, ids = ev.text, list(ev.token_ids)
+    while ev.output is None and not events.empty():
+        ev = events.get_nowait()
+        if ev.error is not None:
+            return Event(text, ids), ev
+        text, ids = text + ev.text, ids + ev.token_ids
+    return Event(text, ids, ev.output), None
 
 
 def _sse(obj: dict) -> str:
