@@ -30,12 +30,22 @@
 # LR (peak learning rate, default 1e-3); SEQS (sequences a training step, default 16); COMPILE_LOSS=1 fuses the
 # loss's passes over the vocabulary with torch.compile (--compile-loss); trainsplit: SPLIT_SEQS (sizes) and LOOP
 # (steps of the training loop itself timed with the plain and the compiled loss, default 20).
+# FROM=/tmp/ck-{kind}: before any part, install the checkpoints a train part left on this warm machine
+# (each call copies the working tree again, so the repo's checkpoints are back to the committed ones:
+# an eval in a later call without FROM measures those, not the new ones).
 set -uo pipefail
 . /tmp/stage/env.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DATA=${DATA:-/tmp/drafter_data}
 CK=specdec/drafters/checkpoints
 mkdir -p "$OUT"
+if [ -n "${FROM:-}" ]; then
+  for kind in dflash dspark; do
+    src=${FROM//\{kind\}/$kind}
+    [ -f "$src/train_state.json" ] || { echo "FROM: no checkpoint at $src"; exit 1; }
+    rm -rf "$CK/smollm2-135m-$kind" && cp -r "$src" "$CK/smollm2-135m-$kind" && echo "installed $src"
+  done
+fi
 for part in "$@"; do
   case "$part" in
     smoke)  # a minute: a tiny data build (sampled responses too) and 30 training steps of each kind
