@@ -41,7 +41,8 @@
 #                                      # GC time, cProfile and process state (then with the drafter released)
 #   bash bench/device_gpu.sh hybridcost # e2e at batch 1, 8, 32: null, suffix, dspark, hybrid (cost-aware, the
 #                                      # default), hybrid+nocost, hybrid+dflash
-#   bash bench/device_gpu.sh serve     # bench/serve.py: null, suffix, dflash at concurrency 1-64 and two rates
+#   bash bench/device_gpu.sh serve     # bench/serve.py: DRAFTERS (default null,suffix,dflash) at concurrency 1-64
+#                                      # and two rates
 #                                      # (stage fastapi, starlette, uvicorn, pydantic, pydantic-core,
 #                                      # annotated-types, typing-inspection, opentelemetry-api, anyio and
 #                                      # typing-extensions as stage-for-device.sh extras, at pyproject's
@@ -176,16 +177,20 @@ for part in "$@"; do
       timeout 570 python bench/serve.py --device cuda --dtype bfloat16 --target smollm2-135m \
         --questions .evaldata/question.jsonl --drafters "${DRAFTERS:-null,suffix,dflash}" --concurrency 1,8,32,64 \
         --rates 2,8 --max-requests 80 --max-tokens 256 --max-num-seqs 64 --out "$OUT/serve_gpu" 2>&1 | tail -25 ;;
-    versus)  # issue 17's bar: today's tree against BASE's, same machine, interleaved (about 370 s)
+    versus)  # issue 17's bar: today's tree against BASE's, same machine, interleaved (about 370 s; the six
+             # tables come back as $OUT/versus/*.md)
       base=${BASE:-.baseline}
+      mkdir -p "$OUT/versus"
       e2e="bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 --drafters null,suffix --skip-hf"
       for round in 0 1 2; do
-        sizes="--batch-sizes 32 --repeat 5"; [ "$round" = 0 ] && sizes="--batch-sizes 1,8,32"
-        timeout 150 python $e2e $sizes --out "$OUT/e2e_today_$round" 2>&1 | grep "^| specdec"
+        sizes="--batch-sizes 32 --repeat 5"; limit=80
+        [ "$round" = 0 ] && sizes="--batch-sizes 1,8,32" && limit=120
+        timeout $limit python $e2e $sizes --out "$OUT/versus/today_$round" 2>&1 | grep "^| specdec"
         # the e2e script puts its own tree first on sys.path, so BASE's specdec is the one imported there
-        (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 150 python $e2e $sizes --out "$OUT/e2e_base_$round" 2>&1 \
-          | grep "^| specdec")
-      done ;;
+        (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout $limit python $e2e $sizes --out "$OUT/versus/base_$round" \
+          2>&1 | grep "^| specdec")
+      done
+      rm -f "$OUT"/versus/*.json ;;  # at most 8 files come back
     mla)
       timeout 420 python bench/mla_decode.py --sweep --full --sweep-budget-s "${MLA_SWEEP_S:-90}" \
         --budget-s "${MLA_GRID_S:-240}" --out "$OUT/mla" 2>&1 | tail -60 ;;

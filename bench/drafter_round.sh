@@ -39,11 +39,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DATA=${DATA:-/tmp/drafter_data}
 CK=specdec/drafters/checkpoints
 mkdir -p "$OUT"
-if [ -n "${FROM:-}" ]; then
+if [ -n "${FROM:-}" ]; then  # both checked before either is replaced
+  case "$FROM" in *"{kind}"*) ;; *) echo "FROM must name the kind as {kind}, e.g. /tmp/ck-{kind}"; exit 1 ;; esac
   for kind in dflash dspark; do
-    src=${FROM//\{kind\}/$kind}
-    [ -f "$src/train_state.json" ] || { echo "FROM: no checkpoint at $src"; exit 1; }
-    rm -rf "$CK/smollm2-135m-$kind" && cp -r "$src" "$CK/smollm2-135m-$kind" && echo "installed $src"
+    [ -f "${FROM//\{kind\}/$kind}/train_state.json" ] || { echo "FROM: no checkpoint at ${FROM//\{kind\}/$kind}"; exit 1; }
+  done
+  for kind in dflash dspark; do
+    rm -rf "$CK/smollm2-135m-$kind" && cp -r "${FROM//\{kind\}/$kind}" "$CK/smollm2-135m-$kind" \
+      && echo "installed ${FROM//\{kind\}/$kind}"
   done
 fi
 for part in "$@"; do

@@ -69,7 +69,7 @@ def _drafter_kwargs(args) -> dict:
                           f"--drafter suffix, got {args.drafter!r}")
     if budget.lower() == "none":
         return {"global_budget_tokens": None}
-    if not budget.isdigit() or int(budget) < 1:
+    if not (budget.isascii() and budget.isdigit()) or int(budget) < 1:
         raise ConfigError(f"--global-budget-tokens must be an integer >= 1 or 'none' (unbounded), got {budget!r}")
     return {"global_budget_tokens": int(budget)}
 

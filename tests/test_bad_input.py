@@ -169,6 +169,7 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["serve", "--drafter", "null", "--global-budget-tokens", "100"], "it needs --drafter suffix, got 'null'"),
     (["serve", "--global-budget-tokens", "0"], "--global-budget-tokens must be an integer >= 1 or 'none'"),
     (["serve", "--global-budget-tokens", "lots"], "--global-budget-tokens must be an integer >= 1 or 'none'"),
+    (["serve", "--global-budget-tokens", "\u00b2"], "--global-budget-tokens must be an integer >= 1 or 'none'"),
 ])
 def test_cli_reports_bad_flags_before_loading_the_model(argv, message, capsys):
     # --target points nowhere unless the case is about it: any load would fail differently

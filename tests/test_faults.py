@@ -253,7 +253,8 @@ _BAD_CONF = st.one_of(st.floats(-0.5, -1e-9), st.floats(1 + 1e-9, 1.5), st.just(
 
 @st.composite
 def _drafts(draw):
-    """Lists of well-formed drafts (the fast path's case), and lists where one draft has one flaw."""
+    """Lists of well-formed drafts (the fast path's case), and lists where one draft has one flaw;
+    with whether there is a flaw."""
     out = []
     n = draw(st.integers(0, 5))
     flawed = draw(st.integers(-1, n - 1))  # the draft with a flaw (-1: none)
@@ -275,19 +276,22 @@ def _drafts(draw):
         else:
             wrap = list if flaw == "list" else tuple
             out.append(Draft(wrap(ids), confidence=None if conf is None else wrap(conf)))
-    return out
+    return out, flawed >= 0
 
 
 @settings(max_examples=400, deadline=None)
 @given(_drafts(), st.integers(0, 12), st.data())
 def test_the_batched_draft_check_agrees_with_the_one_by_one_check(drafts, k, data):
-    """``_valid_drafts_fast`` (the engine's common case, all drafts at once) either declines (``None``)
-    or returns exactly what ``_valid_draft`` returns for each draft; it never accepts a draft that
-    the one-by-one check rejects."""
+    """``_valid_drafts_fast`` (the engine's common case, all drafts at once) takes every list of
+    well-formed drafts within the asked length, and returns exactly what ``_valid_draft`` returns
+    for each draft; it declines (``None``) the rest, and never accepts a draft that the one-by-one
+    check rejects."""
     from specdec.engine import _valid_draft, _valid_drafts_fast
 
+    drafts, flawed = drafts
     budgets = [data.draw(st.integers(0, k)) for _ in drafts]
     fast = _valid_drafts_fast(drafts, k, budgets, 64)
+    assert fast is not None or flawed or any(len(d) > k for d in drafts)
     one = []
     for d, b in zip(drafts, budgets):
         try:

@@ -281,13 +281,21 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 _compare(layout, rank, full, full_cache, mine, cache, q, q_lens, kv2, what + " after rollback")
         # What travels does not grow with the context: the same batch over 8x the context sends the
         # same all-to-all (partials and LSEs of the rows' heads), and nothing else is exchanged.
-        sent, all_to_all = [], dist.all_to_all_single
+        sent, all_to_all, others = [], dist.all_to_all_single, {}
 
         def counting(out, inp, *args, **kwargs):
             sent.append(inp.numel())
             return all_to_all(out, inp, *args, **kwargs)
 
+        def refused(name):
+            def call(*args, **kwargs):
+                raise AssertionError(f"helix_attention called {name}")
+            return call
+
         dist.all_to_all_single = counting
+        for name in ("all_gather", "all_reduce", "all_gather_into_tensor", "broadcast", "send", "recv"):
+            others[name] = getattr(dist, name)
+            setattr(dist, name, refused(name))
         try:
             for ctx in (40, 320):
                 g = torch.Generator().manual_seed(ctx)
@@ -298,6 +306,8 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 helix_attention(plan, torch.randn(4, 16, D, generator=g), c, SCALE, LATENT)
         finally:
             dist.all_to_all_single = all_to_all
+            for name, fn in others.items():
+                setattr(dist, name, fn)
         assert len(sent) == 2 and sent[0] == sent[1] == 4 * 16 * (LATENT + 1), sent
         with pytest.raises(ConfigError, match="divisible"):  # raised before any collective
             helix_attention(plan_shard((1,), (1,), [mine.page_table(0)], layout, rank),
@@ -356,5 +366,6 @@ def test_attention_tp_heads_partition_the_heads(tp, cp, per):
     for s in shards:
         ex, grp = s.exchanged_heads(H), s.tp_heads(H)
         assert grp.start <= ex.start < ex.stop <= grp.stop and ex.stop - ex.start == per
-    with pytest.raises(ConfigError, match="tp must be an integer >= 1 and tp_rank in"):
-        HelixShard(layout, 0, None, tp, tp)
+    for bad in ((tp, tp), (True, 0), (tp, 0.5), (0, 0)):
+        with pytest.raises(ConfigError, match="tp must be an integer >= 1 and tp_rank in"):
+            HelixShard(layout, 0, None, *bad)

@@ -39,11 +39,12 @@ PROMPTS = [[5, 6, 7, 8] * 6, [9], list(range(100, 117)), [3, 1, 4, 1, 5, 9, 2, 6
            list(range(300, 340)), [11, 12, 13] * 4, [77, 78]]
 
 
-def make_target(heads: int, bias: bool = False) -> MLATarget:
-    """``bias``: with attention biases (o_proj's among them), through HF-named weights."""
+def make_target(heads: int, bias: bool = False, q_lora: bool = True) -> MLATarget:
+    """``bias``: with attention biases (o_proj's among them), through HF-named weights; ``q_lora``:
+    queries through a low-rank ``q_a``/``q_b`` pair (else straight from the fused ``w_a``)."""
     t = MLATarget.random(num_heads=heads, num_layers=2, hidden_size=256, vocab_size=512, intermediate_size=512,
-                         q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=512,
-                         seed=0)
+                         q_lora_rank=128 if q_lora else None, kv_lora_rank=512, qk_rope_head_dim=64,
+                         max_position_embeddings=512, seed=0)
     if not bias:
         return t
     cfg = dataclasses.replace(t.config, attention_bias=True)
@@ -81,9 +82,9 @@ def check_shares(e: SpecEngine) -> None:
     assert held + m.helix.num_free_pages == m.local_pages
 
 
-def reference(heads: int, bias: bool = False) -> list[tuple[int, ...]]:
+def reference(heads: int, bias: bool = False, q_lora: bool = True) -> list[tuple[int, ...]]:
     """The cp = 1 engine (plain decoding: the baseline every drafter must reproduce)."""
-    with engine(make_target(heads, bias), None, 1, 4) as e:
+    with engine(make_target(heads, bias, q_lora), None, 1, 4) as e:
         return [o.token_ids for o in e.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)]
 
 
@@ -111,11 +112,12 @@ def _init(rank: int, world: int, store: str) -> None:
 
 
 # -- token equality with cp = 1 -------------------------------------------------------------------
-def _equal_worker(rank: int, world: int, store: str, heads: int, runs, want, tp: int = 1) -> None:
+def _equal_worker(rank: int, world: int, store: str, heads: int, runs, want, tp: int = 1,
+                  q_lora: bool = True) -> None:
     _init(rank, world, store)
     cp = world // tp
     try:
-        target = make_target(heads)
+        target = make_target(heads, q_lora=q_lora)
         for kind, batch in runs:
             with engine(target, make_drafter(kind), cp, batch, tp) as e:
                 layout = e.kv_layout
@@ -167,6 +169,12 @@ def test_helix_with_attention_tp_equals_cp1():
     groups): MLA DSpark (sharded context) at batch 1 and the suffix drafter at batch 4, token-equal to
     cp = 1."""
     _spawn(_equal_worker, 4, 96, [("dspark", 1), ("suffix", 4)], reference(96), 2)
+
+
+def test_helix_with_attention_tp_equals_cp1_without_q_lora():
+    """The same with queries straight from the fused ``w_a`` (no ``q_lora_rank``): each head group
+    projects only its rows of it."""
+    _spawn(_equal_worker, 4, 48, [("suffix", 4)], reference(48, q_lora=False), 2, False)
 
 
 # -- rank-owned writes ----------------------------------------------------------------------------

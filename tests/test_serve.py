@@ -576,3 +576,22 @@ def test_a_stream_that_fell_behind_sends_the_waiting_steps_as_one_chunk():
     got = asyncio.run(drain([Event("a", [1]), failed, Event("z", [5])]))
     assert [(e.text, e.token_ids, f) for e, f in got] == [("a", [1], failed), ("z", [5], None)]
     assert [(e.text, f) for e, f in asyncio.run(drain([failed]))] == [("", failed)]
+
+
+def test_a_tokenizer_that_rewrites_text_across_windows_falls_back_to_whole_decodes():
+    """A decode that is not concatenative (here a clean-up that drops the space before '.'):
+    the incremental decode notices that a window no longer extends the text before it and decodes
+    the whole output from then on, so the released text ends equal to the whole decode."""
+    from types import SimpleNamespace
+
+    from specdec.serve.driver import EngineDriver, Handle
+
+    pieces = {0: "a", 1: " ", 2: ".", 3: "b"}
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(pieces[i] for i in ids).replace(" .", "."))
+    driver, h = SimpleNamespace(tokenizer=tok), Handle("r", SimpleNamespace(params=SimpleNamespace(stop=())))
+    texts = []
+    for t in (0, 1, 2, 3, 1, 3):
+        h.token_ids.append(t)
+        texts.append(EngineDriver._safe_text(driver, h))
+    assert texts[:2] == ["a", "a "] and h.whole
+    assert texts[-1] == tok.decode(h.token_ids) == "a.b b"

@@ -137,7 +137,7 @@ class HelixShard:
 
     def __post_init__(self) -> None:
         self.layout._check_rank(self.rank)
-        if not isinstance(self.tp, int) or self.tp < 1 or not 0 <= self.tp_rank < self.tp:
+        if type(self.tp) is not int or type(self.tp_rank) is not int or self.tp < 1 or not 0 <= self.tp_rank < self.tp:
             raise ConfigError(f"tp must be an integer >= 1 and tp_rank in [0, tp), got tp={self.tp!r}, "
                               f"tp_rank={self.tp_rank!r}")
 

@@ -88,13 +88,23 @@ def helix_shard(helix_cp: int, target, tokens_per_block: int, attention_tp: int 
         raise HelixConfigError(f"helix_cp * attention_tp must equal the process group's size ({world}), got {what}")
     rank = dist.get_rank()
     group = None
-    if attention_tp > 1:  # every process creates every subgroup, in order; keeps its own
-        for t in range(attention_tp):
-            g = dist.new_group(list(range(t * helix_cp, (t + 1) * helix_cp)))
-            if t == rank // helix_cp:
-                group = g
+    if attention_tp > 1:
+        group = _head_group_subgroups(helix_cp, attention_tp)[rank // helix_cp]
     return HelixShard(HelixLayout(helix_cp, tokens_per_block), rank % helix_cp, group, attention_tp,
                       rank // helix_cp, None)
+
+
+_SUBGROUPS: dict = {}  # (default group, cp, tp) -> the tp context-parallel subgroups
+
+
+def _head_group_subgroups(cp: int, tp: int) -> list:
+    """The ``tp`` subgroups of ``cp`` consecutive ranks (one per head group), made once per default
+    process group: every process creates every one, in order (``new_group`` is collective), and
+    engines built later reuse them instead of making (and holding communicators for) new ones."""
+    key = (dist.group.WORLD, cp, tp)
+    if key not in _SUBGROUPS:
+        _SUBGROUPS[key] = [dist.new_group(list(range(t * cp, (t + 1) * cp))) for t in range(tp)]
+    return _SUBGROUPS[key]
 
 
 def local_num_pages(num_pages: int, shard: HelixShard | None) -> int:

@@ -249,10 +249,10 @@ class EngineDriver:
         """The output text that can be sent now: without a trailing partial character, and without
         a tail that could still grow into a stop string (the engine cuts stop strings at the end).
 
-        Decoded incrementally: each step decodes only the tokens since the last complete
-        character (and the window before them), not the whole output, so a step costs the same
-        at token 10 and at token 10,000. A window whose decode does not extend the one before
-        (a tokenizer that rewrites text across tokens) falls back to decoding the whole output."""
+        Decoded incrementally: each step decodes only the tokens since the last step that ended
+        on a complete character (and the window before them), not the whole output, so its cost
+        does not grow with the output. A window whose decode does not extend the one before (a
+        tokenizer that rewrites text across tokens) falls back to decoding the whole output."""
         if self.tokenizer is None:
             return ""
         decode, ids = self.tokenizer.decode, h.token_ids

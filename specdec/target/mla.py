@@ -466,12 +466,16 @@ class MLATarget:
         # attention tensor parallelism (Helix with tp > 1): this process's queries are its head group's
         heads = slice(0, H) if shard is None else shard.tp_heads(H)
         Hq = heads.stop - heads.start
-        q, kv = F.linear(h, L.w_a, L.b_a).split([L.w_a.shape[0] - r - rope, r + rope], dim=-1)
-        if L.w_q_b is not None:  # only its head group's rows of q_b
-            w_q_b = L.w_q_b if Hq == H else L.w_q_b[heads.start * (nope + rope) : heads.stop * (nope + rope)]
-            q = F.linear(rms_norm(q, L.q_a_norm, LATENT_NORM_EPS), w_q_b).view(T, Hq, nope + rope)
+        rows = slice(heads.start * (nope + rope), heads.stop * (nope + rope))  # its head group's q rows
+        if L.w_q_b is None and Hq < H:  # q comes from w_a: only its head group's rows, and the latent's
+            n_q, b = L.w_a.shape[0] - r - rope, L.b_a
+            q = F.linear(h, L.w_a[rows], None if b is None else b[rows]).view(T, Hq, nope + rope)
+            kv = F.linear(h, L.w_a[n_q:], None if b is None else b[n_q:])
         else:
-            q = q.view(T, H, nope + rope)[:, heads]
+            q, kv = F.linear(h, L.w_a, L.b_a).split([L.w_a.shape[0] - r - rope, r + rope], dim=-1)
+            if L.w_q_b is not None:  # only its head group's rows of q_b
+                q = F.linear(rms_norm(q, L.q_a_norm, LATENT_NORM_EPS), L.w_q_b if Hq == H else L.w_q_b[rows])
+            q = q.view(T, Hq, nope + rope)
         q_nope, q_rope = q.split([nope, rope], dim=-1)  # [T, Hq, nope], [T, Hq, rope]
         c_kv, k_rope = kv.split([r, rope], dim=-1)
         c_kv = rms_norm(c_kv, L.kv_a_norm, LATENT_NORM_EPS)  # [T, r]

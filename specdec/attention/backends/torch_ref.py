@@ -78,7 +78,8 @@ class TorchRefBackend(AttentionBackend):
 
         Args:
             return_lse: also return each row's natural-log log-sum-exp of its scaled scores,
-                ``[num_tokens, H]`` fp32, as ``triton_mla`` does (the quantity Helix's combine
+                ``[num_tokens, H]`` fp32, as ``TritonMLABackend.attend(..., return_lse=True)`` does
+                (the quantity Helix's combine
                 merges partials by, :func:`~specdec.parallel.helix.combine_partials`); the output
                 then comes from explicit scores in fp32 rather than ``scaled_dot_product_attention``.
         """
