@@ -612,3 +612,48 @@ def test_bench_serve_host_reports_both_decodes(tmp_path):
     assert [r["requests"] for r in rows] == [2, 3]
     assert all(r["incremental_us"] > 0 and r["whole_us"] > 0 and r["chunk_us"] > 0 for r in rows)
     assert "| 3 |" in (tmp_path / "serve_host.md").read_text()
+
+
+def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_keeps_serving(tiny):
+    """The engine's step raises once (a failing forward): the requests in it get HTTP 500 (a
+    streamed one, an error event), their pages are freed, and the next requests are served and
+    equal their solo runs."""
+    engine = SpecEngine(tiny, make_drafter("suffix"), max_num_seqs=4)
+    free = engine.manager.num_free_pages
+    step, failures = engine.step, []
+
+    def failing_once():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("device fault")
+        return step()
+
+    with serving(engine) as client:
+        engine.step = failing_once
+        with pytest.raises(openai.InternalServerError, match="engine step failed: RuntimeError: device fault"):
+            client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=8, temperature=0)
+        assert failures == [1]
+        wait_idle(engine, free)
+        p = prompts(3, seed=5)
+        outs = [client.completions.create(model="tiny", prompt=x, max_tokens=8, temperature=0) for x in p]
+        with SpecEngine(tiny) as ref:
+            want = ref.generate(p, max_new_tokens=8)
+        assert [o.choices[0].token_ids for o in outs] == [list(w.token_ids) for w in want]
+        assert httpx.get(client.url + "/health").status_code == 200
+    wait_idle(engine, free)
+
+
+def test_health_is_503_until_started_and_once_draining(tiny):
+    """``/health`` says ready only while the driver admits requests: 503 before the lifespan starts
+    it and after shutdown began."""
+    from fastapi.testclient import TestClient
+
+    engine = SpecEngine(tiny, max_num_seqs=2)
+    app = create_app(engine, ServeConfig("tiny"))
+    bare = TestClient(app)  # no lifespan: the driver never started
+    assert bare.get("/health").status_code == 503
+    with TestClient(app) as started:  # the lifespan runs: warm-up, then the driver
+        assert started.get("/health").json() == {"status": "ok"}
+        app.state.driver._stopping = True  # what SIGTERM's shutdown sets first
+        assert started.get("/health").status_code == 503
+        app.state.driver._stopping = False
