@@ -29,6 +29,10 @@ wall time from the first request sent to the last answer ended), TTFT (time from
 chunk carrying a token) and time per output token (from that chunk to the last, over the tokens after
 the first), p50 and p99, and the mean accepted length: generated tokens after the first over
 generation steps, from each answer's ``usage`` (``completion_tokens``, ``mean_accepted_length``).
+From the server's ``/metrics`` before and after each load it also reports where the server's time
+went: its engine steps, their mean wall time as the driver times them (with the engine's own
+timers' share in brackets), and the time between steps per step (the server's loop: admitting,
+delivering, streaming; and idle time, where arrivals leave the server waiting).
 Writes ``--out/serve.md`` (the table, with the command, the machine and the date) and ``serve.json``.
 """
 
@@ -268,6 +272,35 @@ def serve_command(args, drafter: str, port: int) -> list[str]:
             "--max-draft-tokens", str(args.max_draft_tokens), "--log-level", "warning"]
 
 
+def scrape(url: str) -> dict[str, float]:
+    """The server's step counters from ``/metrics``: ``steps``, ``step_s`` (engine steps' wall time,
+    as the driver times them) and ``<phase>_s`` (the engine's own timers)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == "specdec_step_seconds_count":
+            out["steps"] = float(value)
+        elif name == "specdec_step_seconds_sum":
+            out["step_s"] = float(value)
+        elif name.startswith("specdec_step_phase_seconds_total{phase="):
+            out[name.split('"')[1] + "_s"] = float(value)
+    return out
+
+
+def step_figures(before: dict, after: dict, wall_s: float) -> dict:
+    """Where a load's wall time went on the server: its engine steps, their mean (as the driver
+    timed them), the engine's own phases per step, and the time between steps (the server's loop:
+    admitting, delivering, streaming)."""
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    if steps <= 0:
+        return {"steps": 0, "step_ms": None, "engine_ms": None, "between_ms": None}
+    step_s = after.get("step_s", 0) - before.get("step_s", 0)
+    engine_s = sum(after[k] - before.get(k, 0.0) for k in after if k.endswith("_s") and k != "step_s")
+    return {"steps": int(steps), "step_ms": _r(step_s / steps * 1e3), "engine_ms": _r(engine_s / steps * 1e3),
+            "between_ms": _r(max(0.0, wall_s - step_s) / steps * 1e3)}
+
+
 def run_drafter(args, drafter: str, loads: list[tuple[str, float, list[str]]]) -> list[dict]:
     """Start ``drafter``'s server, run every load (kind, level, questions) against it, stop it; one row
     per load."""
@@ -279,23 +312,27 @@ def run_drafter(args, drafter: str, loads: list[tuple[str, float, list[str]]]) -
         if warm.error:
             raise SpecDecError(f"the warm-up request to the {drafter} server failed: {warm.error}")
         for kind, level, questions in loads:
+            before = scrape(url)
             if kind == "concurrency":
                 results, wall = asyncio.run(closed_loop(url, questions, int(level), args.max_tokens))
             else:
                 results, wall = asyncio.run(poisson_load(url, questions, level, args.max_tokens, args.seed))
-            row = {"drafter": drafter, "load": f"{kind} {level:g}", **summarize(results, wall)}
+            row = {"drafter": drafter, "load": f"{kind} {level:g}", **summarize(results, wall),
+                   **step_figures(before, scrape(url), wall)}
             print(_row(row), flush=True)
             rows.append(row)
     return rows
 
 
 HEAD = ("| drafter | load | requests | errors | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-        "TPOT p99 ms | mean accepted length |\n|---|---|---|---|---|---|---|---|---|---|")
+        "TPOT p99 ms | mean accepted length | steps | ms / step (engine's timers) | ms between steps |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(r: dict) -> str:
     cells = [r["drafter"], r["load"], r["requests"], r["errors"], r["output_tokens_per_s"], r["ttft_ms_p50"],
-             r["ttft_ms_p99"], r["tpot_ms_p50"], r["tpot_ms_p99"], r["mean_accepted_length"]]
+             r["ttft_ms_p99"], r["tpot_ms_p50"], r["tpot_ms_p99"], r["mean_accepted_length"], r.get("steps"),
+             None if r.get("step_ms") is None else f"{r['step_ms']} ({r['engine_ms']})", r.get("between_ms")]
     return "| " + " | ".join("-" if c is None else str(c) for c in cells) + " |"
 
 

@@ -519,6 +519,10 @@ def test_bench_serve_runs_end_to_end_on_smollm2(tmp_path):
         assert r["requests"] == 2 and r["errors"] == 0 and r["output_tokens"] > 2 and r["output_tokens_per_s"] > 0
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
         assert r["mean_accepted_length"] == 1.0 or (r["drafter"] == "suffix" and r["mean_accepted_length"] > 1.0)
+        # the server's side, from /metrics: at least a step per generated token after the first, over the
+        # tokens the steps gave; the engine's timers within the driver's step time
+        assert r["steps"] >= r["output_tokens"] / 2 / max(r["mean_accepted_length"], 1.0)
+        assert 0 < r["engine_ms"] <= r["step_ms"] and r["between_ms"] >= 0
     table = (tmp_path / "out" / "serve.md").read_text()
     assert table.startswith("`python bench/serve.py --questions") and "| suffix | rate 4 | 2 | 0 |" in table
 
