@@ -47,6 +47,9 @@
 #                                      # annotated-types, typing-inspection, opentelemetry-api, anyio and
 #                                      # typing-extensions as stage-for-device.sh extras, at pyproject's
 #                                      # versions; carry .evaldata)
+#   bash bench/device_gpu.sh vllm      # issue 20's peer: vLLM 0.26.0's server (no speculation, n-gram) under
+#                                      # serve's loads (PEERS), after installing its wheels from /tmp/vparts
+#                                      # (parts staged one call each first; carry .evaldata)
 #   bash bench/device_gpu.sh versus    # e2e null/suffix in another tree beside this one, interleaved: batch
 #                                      # 1, 8, 32 once, then batch 32 with --repeat 5, twice. BASE names the
 #                                      # tree (default .baseline), made here and carried, e.g.
@@ -177,6 +180,20 @@ for part in "$@"; do
       timeout 570 python bench/serve.py --device cuda --dtype bfloat16 --target smollm2-135m \
         --questions .evaldata/question.jsonl --drafters "${DRAFTERS:-null,suffix,dflash}" --concurrency 1,8,32,64 \
         --rates 2,8 --max-requests 80 --max-tokens 256 --max-num-seqs 64 --out "$OUT/serve_gpu" 2>&1 | tail -25 ;;
+    vllm)  # issue 20's peer. The wheels (vLLM 0.26.0's closure for torch 2.11, plus numpy 2.3 for numba and
+           # mistral-common) are made by ../shared/tools/vllm-closure/closure.py, tarred and split into ~60 MB
+           # parts, each staged by its own call into /tmp/vparts
+      if [ ! -d /tmp/vsite/vllm ]; then
+        mkdir -p /tmp/vwhl && cat /tmp/vparts/part.* | tar -C /tmp/vwhl -xf - \
+          && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite /tmp/vwhl/*.whl \
+          && printf 'import site as _s\n_s.addsitedir("/tmp/vsite")\n' > /tmp/vsite/sitecustomize.py \
+          || { echo "vllm: the wheels did not install"; exit 1; }
+      fi
+      python -c "from specdec.target import load_target; load_target('smollm2-135m')" >/dev/null  # its HF folder
+      PYTHONPATH="/tmp/vsite:$PYTHONPATH" timeout 570 python bench/serve.py --device cuda --dtype bfloat16 \
+        --target smollm2-135m --questions .evaldata/question.jsonl --drafters "${PEERS:-vllm-ngram,vllm}" \
+        --concurrency 1,8,32,64 --rates 2,8 --max-requests 80 --max-tokens 256 --max-num-seqs 64 \
+        --out "$OUT/serve_vllm" 2>&1 | tail -25 ;;
     versus)  # issue 17's bar: today's tree against BASE's, same machine, interleaved (about 370 s; the six
              # tables come back as $OUT/versus/*.md)
       base=${BASE:-.baseline}

@@ -12,6 +12,10 @@ CPU smoke run (about two minutes per drafter on two cores: many Spec-Bench promp
     python bench/serve.py --questions question.jsonl --drafters null,suffix --concurrency 1,2 --rates 2 \\
         --max-requests 8 --max-tokens 16 --out /tmp/serve_smoke
 
+Peers: ``--drafters vllm,vllm-ngram`` runs vLLM's OpenAI server (without speculation, and with its
+n-gram drafter at the same draft length) on the target's HF checkpoint under the same load; its
+answers carry no accepted lengths or engine timers, so those cells stay empty.
+
 For each drafter it starts one server as a child process (``python -m specdec.cli serve --target ...
 --drafter ... --port ...``), waits for ``/health``, sends one untimed request, then runs each load:
 
@@ -145,21 +149,27 @@ async def chat_stream(http: httpx.AsyncClient, url: str, question: str, max_toke
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    r.error = chunk["error"]["message"]
-                    continue
-                now = time.perf_counter() - t0
-                if chunk["choices"] and chunk["choices"][0].get("token_ids"):
-                    r.first_token = now if r.first_token is None else r.first_token
-                    r.last_token = now
-                if chunk.get("usage"):
-                    r.output_tokens = chunk["usage"]["completion_tokens"]
-                    r.mean_accepted_length = chunk["usage"]["mean_accepted_length"]
+                read_chunk(r, json.loads(line[6:]), time.perf_counter() - t0)
     except httpx.HTTPError as e:
         r.error = f"{type(e).__name__}: {e}"
     r.ended = time.perf_counter() - t0
     return r
+
+
+def read_chunk(r: Result, chunk: dict, now: float) -> None:
+    """Record one streamed chunk in ``r``. A chunk brings tokens if it carries ``token_ids``
+    (specdec) or, from a server that sends none (a peer such as vLLM), non-empty text; the usage
+    chunk gives the output tokens, and with specdec the mean accepted length."""
+    if "error" in chunk:
+        r.error = chunk["error"]["message"]
+        return
+    choice = chunk["choices"][0] if chunk.get("choices") else {}
+    if choice.get("token_ids") or (choice.get("delta") or {}).get("content") or choice.get("text"):
+        r.first_token = now if r.first_token is None else r.first_token
+        r.last_token = now
+    if chunk.get("usage"):
+        r.output_tokens = chunk["usage"]["completion_tokens"]
+        r.mean_accepted_length = chunk["usage"].get("mean_accepted_length") or 0.0
 
 
 # -- loads ------------------------------------------------------------------------
@@ -264,8 +274,24 @@ def first_turns(path: str | Path, limit: int | None = None) -> list[tuple[str, s
     return out
 
 
+#: peer servers by name: vLLM without speculation, and with its n-gram (prompt lookup) drafter
+VLLM_PEERS = {"vllm": None,
+              "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                             "prompt_lookup_min": 1}}
+
+
 def serve_command(args, drafter: str, port: int) -> list[str]:
-    """The ``specdec serve`` command of one drafter's server."""
+    """The server command of one drafter: ``specdec serve``, or for a name in :data:`VLLM_PEERS`
+    vLLM's OpenAI server on ``--peer-model`` (the target's HF checkpoint) with the same model name,
+    dtype, most running requests and draft length."""
+    if drafter in VLLM_PEERS:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(peer_model(args)),
+               "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--dtype", args.dtype,
+               "--max-num-seqs", str(args.max_num_seqs)]
+        spec = VLLM_PEERS[drafter]
+        if spec is not None:
+            cmd += ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": args.max_draft_tokens})]
+        return cmd
     return [sys.executable, "-m", "specdec.cli", "serve", "--target", args.target, "--drafter", drafter,
             "--port", str(port), "--device", args.device, "--dtype", args.dtype, "--served-model-name", MODEL,
             "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
@@ -274,8 +300,12 @@ def serve_command(args, drafter: str, port: int) -> list[str]:
 
 def scrape(url: str) -> dict[str, float]:
     """The server's step counters from ``/metrics``: ``steps``, ``step_s`` (engine steps' wall time,
-    as the driver times them) and ``<phase>_s`` (the engine's own timers)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
+    as the driver times them) and ``<phase>_s`` (the engine's own timers); empty for a server
+    that exports none of them (a peer)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
     out = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
@@ -299,6 +329,22 @@ def step_figures(before: dict, after: dict, wall_s: float) -> dict:
     engine_s = sum(after[k] - before.get(k, 0.0) for k in after if k.endswith("_s") and k != "step_s")
     return {"steps": int(steps), "step_ms": _r(step_s / steps * 1e3), "engine_ms": _r(engine_s / steps * 1e3),
             "between_ms": _r(max(0.0, wall_s - step_s) / steps * 1e3)}
+
+
+def peer_model(args) -> Path:
+    """The HF checkpoint a peer server loads: ``--peer-model``, else ``--target`` if it is a folder,
+    else the folder specdec converted the named target into (``load_target`` makes it).
+
+    Raises:
+        ConfigError: none of these exists.
+    """
+    from specdec.target.loading import cache_dir
+
+    for path in (args.peer_model, args.target, cache_dir() / args.target):
+        if path is not None and (Path(path) / "config.json").is_file():
+            return Path(path)
+    raise ConfigError(f"a peer server needs the target as an HF checkpoint folder: pass --peer-model, or load "
+                      f"{args.target!r} with specdec once (load_target converts it under {cache_dir()})")
 
 
 def run_drafter(args, drafter: str, loads: list[tuple[str, float, list[str]]]) -> list[dict]:
@@ -352,7 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--questions", required=True, help="Spec-Bench question.jsonl (a 'turns' list per line)")
     p.add_argument("--target", default="smollm2-135m", help="model name or HF checkpoint dir (with a chat template)")
-    p.add_argument("--drafters", default="null,suffix,dflash", help="comma-separated drafter names")
+    p.add_argument("--drafters", default="null,suffix,dflash",
+                   help="comma-separated drafter names; vllm and vllm-ngram run vLLM's server as a peer")
+    p.add_argument("--peer-model", default=None,
+                   help="the HF checkpoint folder a peer server loads (default: the target's, see peer_model)")
     p.add_argument("--concurrency", default="1,8,32,64", help="closed-loop client counts ('' for none)")
     p.add_argument("--rates", default="2,8", help="Poisson arrival rates in requests/s ('' for none)")
     p.add_argument("--max-requests", type=int, default=80, help="requests per load")

@@ -661,3 +661,42 @@ def test_health_is_503_until_started_and_once_draining(tiny):
         app.state.driver._stopping = True  # what SIGTERM's shutdown sets first
         assert started.get("/health").status_code == 503
         app.state.driver._stopping = False
+
+
+def test_bench_serve_reads_specdec_and_peer_chunks_and_builds_peer_commands(tmp_path):
+    """``bench/serve.py`` times a peer's stream by its text (vLLM sends no token ids) and reads its
+    usage without an accepted length; a peer's command serves the target's checkpoint under the
+    bench's model name, with the n-gram drafter at the bench's draft length."""
+    import argparse
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import serve as bench
+
+    r = bench.Result(sent=0.0)
+    bench.read_chunk(r, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}, 0.1)  # vLLM's opening
+    assert r.first_token is None
+    bench.read_chunk(r, {"choices": [{"delta": {"content": "Hi"}, "finish_reason": None}]}, 0.2)
+    bench.read_chunk(r, {"choices": [{"delta": {"content": "!"}, "finish_reason": "stop"}]}, 0.3)
+    bench.read_chunk(r, {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 5}}, 0.4)
+    assert (r.first_token, r.last_token, r.output_tokens, r.mean_accepted_length) == (0.2, 0.3, 2, 0.0)
+    s = bench.Result(sent=0.0)
+    bench.read_chunk(s, {"choices": [{"delta": {}, "token_ids": [7]}]}, 0.5)  # specdec: ids, no text yet
+    bench.read_chunk(s, {"choices": [], "usage": {"completion_tokens": 1, "mean_accepted_length": 2.5}}, 0.6)
+    assert (s.first_token, s.mean_accepted_length) == (0.5, 2.5)
+    bench.read_chunk(s, {"error": {"message": "boom"}}, 0.7)
+    assert s.error == "boom"
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    args = argparse.Namespace(peer_model=None, target=str(ckpt), dtype="bfloat16", max_num_seqs=64, max_draft_tokens=6)
+    cmd = bench.serve_command(args, "vllm-ngram", 8123)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and cmd[cmd.index("--model") + 1] == str(ckpt)
+    assert cmd[cmd.index("--served-model-name") + 1] == bench.MODEL and cmd[cmd.index("--port") + 1] == "8123"
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 6
+    assert "--speculative-config" not in bench.serve_command(args, "vllm", 8123)
+    with pytest.raises(bench.ConfigError, match="--peer-model"):
+        bench.peer_model(argparse.Namespace(peer_model=None, target="no-such-model"))
