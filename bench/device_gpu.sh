@@ -169,9 +169,16 @@ for part in "$@"; do
         --batch-sizes 8 --drafters null --skip-hf --out "$OUT/e2e_null_alone" 2>&1 | grep "^| specdec" ;;
     cute)  # the CuTe DSL MLA kernel (needs the nvidia-cutlass-dsl wheels staged: see cute_mla's docstring),
            # then its columns beside triton_mla on the quick grid
-      timeout 300 python -m pytest -m gpu tests/test_cute_mla.py -q -p no:cacheprovider -o addopts= 2>&1 | tail -15 \
-        | tee "$OUT/gpu_tests_cute.txt"
-      timeout 240 python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out "$OUT/mla_cute" \
+      # a missing or broken package would skip every GPU test: say so and stop instead
+      python -c "import sys; from specdec.attention.backends import cute_mla as c; e = c.IMPORT_ERROR; \
+print('cute_mla import:', e or 'ok'); sys.exit(1 if e else 0)" || exit 1
+      for group in "not fp8 and not helix" "fp8 and not helix" "helix"; do  # each its own log and limit
+        name=$(echo "$group" | tr -c 'a-z0-9\n' '_')
+        timeout "${CUTE_TEST_S:-150}" python -m pytest -m gpu tests/test_cute_mla.py -k "$group" -x -rs --durations=10 \
+          -q -p no:cacheprovider -o addopts= > "$OUT/gpu_tests_cute_$name.txt" 2>&1
+        echo "== $group: exit $?"; tail -6 "$OUT/gpu_tests_cute_$name.txt"
+      done
+      timeout 120 python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out "$OUT/mla_cute" \
         2>&1 | tail -30 ;;
     helix)  # Helix attention against context, cp = 1 on one GPU (cp = 2, 4 need a machine with several GPUs)
       timeout 300 torchrun --standalone --nproc-per-node 1 bench/helix.py --device cuda --out "$OUT/helix" 2>&1 \

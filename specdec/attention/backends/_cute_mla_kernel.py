@@ -126,8 +126,7 @@ class MLADecodeKernel:
             cp, rank,
         ).launch(
             grid=(row_blocks, num_splits, num_seqs),
-            block=(THREADS, 1, 1),
-            smem=Storage.size_in_bytes(),
+            block=(THREADS, 1, 1),  # shared memory: the DSL sizes it from the kernel's allocations
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -234,8 +233,8 @@ class MLADecodeKernel:
                         page = mPageTable[seq, key0 // TPB]
                         slot0 = page * TPB + key0 % TPB
                         gKV = cute.local_tile(cute.domain_offset((slot0, 0), tma_mKV), (BN, D), (0, 0))
-                        tKsK, tKgK = cpasync.tma_partition(
-                            tma_kv, 0, cute.make_layout(1), cute.group_modes(sKV, 0, 2),
+                        tKsK, tKgK = cpasync.tma_partition(  # into the ring TMA writes (the e4m3 one for FP8)
+                            tma_kv, 0, cute.make_layout(1), cute.group_modes(sLoad, 0, 2),
                             cute.group_modes(gKV, 0, 2))
                         kv_handle = kv_producer.acquire_and_advance()
                         cute.copy(tma_kv, tKgK, tKsK[(None, kv_handle.index)], tma_bar_ptr=kv_handle.barrier)

@@ -147,7 +147,7 @@ def _import_kernel():
     try:
         from specdec.attention.backends import _cute_mla_kernel as kernel
         return kernel, None
-    except ImportError as exc:
+    except Exception as exc:  # not only ImportError: a broken MLIR library may raise anything
         first = exc
     try:
         import os
@@ -160,7 +160,7 @@ def _import_kernel():
             sys.path.insert(0, path)
         from specdec.attention.backends import _cute_mla_kernel as kernel
         return kernel, None
-    except ImportError:
+    except Exception:
         return None, f"{type(first).__name__}: {first}"
 
 
@@ -170,6 +170,10 @@ _kernel, IMPORT_ERROR = _import_kernel()
 
 CuteMLAPlan = MLAPlan  # the plan both paged MLA backends build (specdec.attention.mla_pack)
 
+#: compiled kernels by (latent, rope, page size, cache dtype, Helix): a compile takes seconds, so every
+#: backend instance (one per engine, and the tests') shares them
+_COMPILED: dict[tuple, Any] = {}
+
 
 class CuteMLABackend(AttentionBackend):
     """Paged absorbed-MLA decode / verify in CuTe DSL (wgmma, TMA, warp-specialised), sm90."""
@@ -178,7 +182,7 @@ class CuteMLABackend(AttentionBackend):
 
     def __init__(self, num_splits: int | None = None):
         self.num_splits = num_splits  # None: the makespan model (mla_pack.choose_splits)
-        self._compiled: dict[tuple, Any] = {}
+        self._compiled = _COMPILED  # shared by every instance: one compile per kernel configuration
 
     # ------------------------------------------------------------------ supports / cost
 
@@ -335,6 +339,10 @@ class CuteMLABackend(AttentionBackend):
         from cutlass.cute.runtime import from_dlpack
 
         def dyn_rows(t):  # dim 0 dynamic, inner dims static: one compile serves every batch
+            if t.dtype == torch.float8_e4m3fn:  # DLPack has no float8: bytes, then the element type set
+                out = from_dlpack(t.view(torch.uint8), assumed_align=16).mark_compact_shape_dynamic(mode=0)
+                out.element_type = cutlass.Float8E4M3FN
+                return out
             return from_dlpack(t, assumed_align=16).mark_compact_shape_dynamic(mode=0)
 
         cp, rank = (plan.shard.cp, plan.shard.rank) if plan.shard is not None else (1, 0)
