@@ -78,8 +78,8 @@ class MLADecodeKernel:
         stream: cuda.CUstream,
     ):
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        K = warpgroup.OperandMajorMode.K
-        MN = warpgroup.OperandMajorMode.MN
+        K = cute.nvgpu.OperandMajorMode.K
+        MN = cute.nvgpu.OperandMajorMode.MN
         qk_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K, K, f32, (1, 1, 1), (BLOCK_M, self.block_n))
         pv_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K, MN, f32, (1, 1, 1), (BLOCK_M, self.half),
                                                    warpgroup.OperandSource.RMEM)
@@ -382,14 +382,14 @@ class MLADecodeKernel:
                 if m_new == -f32.inf:  # nothing seen yet by this row
                     ms = f32(0.0)
                 m_safe[h] = ms
-                scale_o[h] = cute.arch.exp2(m_i[h] - ms)
+                scale_o[h] = cute.math.exp2(m_i[h] - ms, fastmath=True)
                 m_i[h] = m_new
             row_sum = cute.make_rmem_tensor(cute.make_layout(2), f32)
             row_sum[0] = 0.0
             row_sum[1] = 0.0
             for i in cutlass.range_constexpr(n_s):
                 h = (i // 2) % 2
-                p = cute.arch.exp2(acc_s[i] - m_safe[h])
+                p = cute.math.exp2(acc_s[i] - m_safe[h], fastmath=True)
                 acc_s[i] = p
                 row_sum[h] = row_sum[h] + p
             for h in cutlass.range_constexpr(2):
