@@ -478,21 +478,22 @@ class SpecEngine:
         if not asking:  # nothing to draft (the null drafter's every step): nothing to check either
             self.timings["draft_s"] += time.perf_counter() - t0
             return [EMPTY_DRAFT] * len(plan.generation)
-        drafts = {}
         k = max(b for _, b in asking)
         proposed = self._drafts_of(asking, k)
         fast = _valid_drafts_fast(proposed, k, [b for _, b in asking], self.target.vocab_size)
-        if fast is not None:
+        if fast is not None:  # the common case: host drafts, all well formed
             drafts = {s.req_id: d for (s, _), d in zip(asking, fast)}
-        for (s, b), d in zip(asking, proposed if fast is None else ()):
-            try:
-                drafts[s.req_id] = _valid_draft(d, k, b, self.target.vocab_size) if d is not None else Draft()
-            except (TypeError, ValueError) as e:  # TypeError: fields of the wrong kind (len(None), ...)
-                drafts[s.req_id] = Draft()
-                self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
-        out = [drafts.get(s.req_id, EMPTY_DRAFT) for s in plan.generation]
-        if fast is None:  # only drafts checked one by one can be left on the device
-            out = self._device_drafts_fed(plan.generation, out)
+            out = [drafts.get(s.req_id, EMPTY_DRAFT) for s in plan.generation]
+        else:  # one by one: a bad draft costs only its request; drafts may be left on the device
+            drafts = {}
+            for (s, b), d in zip(asking, proposed):
+                try:
+                    drafts[s.req_id] = _valid_draft(d, k, b, self.target.vocab_size) if d is not None else Draft()
+                except (TypeError, ValueError) as e:  # TypeError: fields of the wrong kind (len(None), ...)
+                    drafts[s.req_id] = Draft()
+                    self._drafter_fault(s, "invalid_drafts", f"invalid draft ({e}); dropped for this step")
+            out = self._device_drafts_fed(plan.generation,
+                                          [drafts.get(s.req_id, EMPTY_DRAFT) for s in plan.generation])
         cut = self.config.draft_length == "confidence"
         if cut and any(d.confidence for d in out):
             out = self._cut_drafts(out)

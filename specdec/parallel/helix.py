@@ -315,13 +315,37 @@ def latent_attention_lse(
         ``(out, lse)``, ``[B, Q, H, v_head_dim]`` and ``[B, Q, H]`` fp32; ``0`` and ``-inf``
         for a query that sees nothing.
     """
-    scores = torch.einsum("bqhd,bsd->bhqs", q.float(), kv.float()) * scale  # [B, H, Q, S]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return attention_lse(q, kv[:, :, None], kv[:, :, None, :v_head_dim], visible, scale)
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp from explicit fp32 scores, for any number of KV heads (the
+    reference the kernels' and ``torch_ref``'s LSE outputs rest on).
+
+    Args:
+        q: ``[B, Q, H, D]``.
+        k: ``[B, S, Hkv, D]``; query head ``h`` reads KV head ``h // (H / Hkv)``.
+        v: ``[B, S, Hkv, Dv]``.
+        visible: ``[B, Q, S]`` or broadcastable, True = attend; ``None``: every key.
+        scale: softmax scale.
+
+    Returns:
+        ``(out, lse)``, ``[B, Q, H, Dv]`` and ``[B, Q, H]`` fp32; ``0`` and ``-inf`` for a query
+        that sees nothing.
+    """
+    B, Q, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    qg = q.float().reshape(B, Q, Hkv, H // Hkv, D)  # heads grouped by the KV head they read
+    scores = torch.einsum("bqkgd,bskd->bkgqs", qg, k.float()).reshape(B, H, Q, S) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, Q]
     # exp(-inf - 0) = 0 for rows that see nothing, instead of exp(-inf + inf) = nan.
     p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])  # [B, H, Q, S]
-    out = torch.einsum("bhqs,bsr->bqhr", p, kv[..., :v_head_dim].float())  # [B, Q, H, Dv]
-    return out, lse.transpose(1, 2)  # [B, Q, H, Dv], [B, Q, H]
+    out = torch.einsum("bkgqs,bskr->bqkgr", p.view(B, Hkv, H // Hkv, Q, S), v.float())
+    return out.reshape(B, Q, H, -1), lse.transpose(1, 2)  # [B, Q, H, Dv], [B, Q, H]
 
 
 def combine_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

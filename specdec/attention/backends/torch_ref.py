@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
+from specdec.parallel.helix import attention_lse
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,7 @@ class TorchRefBackend(AttentionBackend):
         Args:
             return_lse: also return each row's natural-log log-sum-exp of its scaled scores,
                 ``[num_tokens, H]`` fp32, as ``TritonMLABackend.attend(..., return_lse=True)`` does
-                (the quantity Helix's combine
+                (:func:`~specdec.parallel.helix.attention_lse`; the quantity Helix's combine
                 merges partials by, :func:`~specdec.parallel.helix.combine_partials`); the output
                 then comes from explicit scores in fp32 rather than ``scaled_dot_product_attention``.
         """
@@ -91,7 +92,10 @@ class TorchRefBackend(AttentionBackend):
         if kv_scale != 1.0:  # dequantise an FP8 cache (per-tensor scale)
             k, v = k * kv_scale, v * kv_scale
         if return_lse:
-            return self._with_lse(plan, q_pad, k, v, scale, q.dtype)
+            out, lse = attention_lse(q_pad, k, v, None if plan.mask is None else plan.mask[:, 0], scale)
+            B, max_q = q_pad.shape[:2]
+            return (out.reshape(B * max_q, num_heads, -1)[plan.out_index].to(q.dtype),
+                    lse.reshape(B * max_q, num_heads)[plan.out_index])
         if k.shape[2] == 1 and num_heads > 1:
             # One KV head (MLA's latent): fold the heads into the query rows instead of letting
             # enable_gqa copy K and V once per head. The same attention, row by row.
@@ -112,23 +116,6 @@ class TorchRefBackend(AttentionBackend):
         )  # [B, H, max_q, Dv]
         out = out.transpose(1, 2).reshape(-1, num_heads, v_head_dim)  # [B * max_q, H, Dv]
         return out[plan.out_index]
-
-
-    @staticmethod
-    def _with_lse(plan: RefPlan, q_pad, k, v, scale: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention and its log-sum-exp from explicit fp32 scores (``q_pad [B, max_q, H, D]``,
-        ``k [B, max_kv, Hkv, D]``, ``v [B, max_kv, Hkv, Dv]``): ``([T, H, Dv], [T, H])``."""
-        B, max_q, H, _ = q_pad.shape
-        group = H // k.shape[2]  # query head h reads KV head h // group
-        k, v = k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q_pad.float(), k) * scale  # [B, H, max_q, max_kv]
-        if plan.mask is not None:
-            scores = scores.masked_fill(~plan.mask, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [B, H, max_q]
-        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row with no key: 0
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, v)  # [B, max_q, H, Dv]
-        out = out.reshape(B * max_q, H, -1)[plan.out_index].to(dtype)
-        return out, lse.transpose(1, 2).reshape(B * max_q, H)[plan.out_index]
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
