@@ -16,7 +16,8 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
   specdec-<name>+nopg  the same with prompt_graphs=False (+pg: True, the default), +nooverlap with
                      overlap_steps=False (+overlap: True; the default is on for null on CUDA), +conf
                      with draft_length="confidence" (drafts cut where their expected accepted tokens
-                     per unit of step cost stop rising); its ratio and equality are taken to
+                     per unit of step cost stop rising), +nofreeze with freeze_heap=False (the garbage
+                     collector's full passes walk the whole heap during generate); its ratio and equality are taken to
                      specdec-null with the same suffixes when the run has it
 
 Reports tokens/s, ratios to hf-greedy and to specdec-null, mean accepted
@@ -45,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from results_io import format_gpu_state, gpu_state, process_state  # noqa: E402 (bench/, the script's own folder)
+from results_io import GCPauses, format_gpu_state, gpu_state, process_state  # noqa: E402 (bench/, the script's own folder)
 
 from specdec import SamplingParams, SpecEngine  # noqa: E402
 from specdec.drafters import make_drafter  # noqa: E402
@@ -152,13 +153,14 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         dstats["eager_reasons"].clear()
     outs, t_total, batch_s = [], 0.0, []
     gpu_before = gpu_state() if args.device.startswith("cuda") else {}
-    for i in range(0, len(prompt_ids), batch_size):
-        _sync(args.device)
-        t0 = time.perf_counter()
-        outs += engine.generate(prompt_ids[i:i + batch_size], params)
-        _sync(args.device)
-        batch_s.append(time.perf_counter() - t0)
-        t_total += batch_s[-1]
+    with GCPauses() as gc_pauses:  # the collector's pauses fall inside the steps they interrupt
+        for i in range(0, len(prompt_ids), batch_size):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            outs += engine.generate(prompt_ids[i:i + batch_size], params)
+            _sync(args.device)
+            batch_s.append(time.perf_counter() - t0)
+            t_total += batch_s[-1]
     gpu_after = gpu_state() if args.device.startswith("cuda") else {}
     if dstats is not None and hasattr(block, "propose_device_s"):
         block.propose_device_s  # noqa: B018 - takes the last propose's device time into dstats
@@ -188,6 +190,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "per_request": [(len(o.token_ids), len(o.stats.accepted_lengths), sum(o.stats.accepted_lengths))
                             for o in outs],
             "batch_s": batch_s,
+            "gc": gc_pauses.as_dict(),  # the collector's pauses in the timed run
             "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
             **({"hybrid_stats": dict(drafter.stats)} if block is not drafter else {}),
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
@@ -206,7 +209,8 @@ def _tps(r: dict) -> float:
 # The defaults: prompt graphs on, overlapped decode steps on for the null drafter on CUDA.
 ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False},
                    "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False},
-                   "conf": {"draft_length": "confidence"}}
+                   "conf": {"draft_length": "confidence"},
+                   "nofreeze": {"freeze_heap": False}}  # '+nofreeze': the collector walks the whole heap
 # drafter settings a system name may add ("dflash+compile"); ratios are to plain null. A block
 # drafter's propose is compiled by default on CUDA and not on the CPU: '+compile' / '+nocompile' force it.
 DRAFTER_VARIANTS = {"compile": {"torch_compile": True}, "nocompile": {"torch_compile": False},
@@ -408,6 +412,11 @@ def main() -> None:
                                 f"{len(ps['threads'])} threads, {ps['child_processes']} child processes, CUDA device "
                                 f"allocations {ps.get('cuda_num_device_alloc')}, allocator retries "
                                 f"{ps.get('cuda_num_alloc_retries')}, alive {ps.get('alive')}")
+                gp = r.get("gc")
+                if gp and gp["ms"] >= 1:
+                    text.append(f"- {name}: the garbage collector paused the timed run {gp['ms']:.0f} ms "
+                                f"({gp['ms'] / max(1, r['steps']):.3f} ms a step) in {sum(gp['collections']):,} "
+                                f"collections, {gp['collections'][2]} of them full ({gp['ms_by_generation'][2]:.0f} ms)")
                 gs = r.get("gpu")
                 if gs and (gs["before"] or gs["after"]):
                     text.append(f"- {name}: GPU before the timed run: {format_gpu_state(gs['before'])}; "

@@ -44,6 +44,39 @@ def top_functions(profile, n: int) -> str:
     return buf.getvalue().strip()
 
 
+class GCPauses:
+    """The garbage collector's pauses while it is active (``with GCPauses() as gcp: ...``):
+    ``gcp.ms`` in all and by generation, ``gcp.collections`` by generation. A full (generation 2)
+    collection walks every tracked object of the process, so a run that triggers one pays for all
+    the objects the process holds."""
+
+    def __init__(self) -> None:
+        self.ms = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        import time
+
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            gen = info.get("generation", 2)
+            self.ms[gen] += 1e3 * (time.perf_counter() - self._t0)
+            self.collections[gen] += 1
+
+    def __enter__(self) -> "GCPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def as_dict(self) -> dict:
+        return {"ms": round(sum(self.ms), 3), "ms_by_generation": [round(m, 3) for m in self.ms],
+                "collections": self.collections}
+
+
 ALIVE_TYPES = ("SpecEngine", "CUDAGraph", "KVCacheManager")
 """Objects :func:`process_state` counts: engines (and their graphs and KV pools) an earlier run left alive."""
 

@@ -145,7 +145,8 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--port must be an integer in [1, 65535], got {args.port}")
     from specdec.serve import ServeConfig, create_app  # checks --max-waiting / --drain-timeout first
 
-    config = ServeConfig(args.served_model_name or args.target, args.max_waiting, args.drain_timeout)
+    config = ServeConfig(args.served_model_name or args.target, args.max_waiting, args.drain_timeout,
+                         freeze_heap=not args.no_freeze_heap)
     import uvicorn
 
     engine = _engine(args, max_num_seqs=args.max_num_seqs)
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may finish at shutdown before they are aborted")
+    s.add_argument("--no-freeze-heap", action="store_true",
+                   help="leave start-up's objects to the garbage collector's full passes (default: frozen after warm-up)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # sampling is per request (the request body); the engine's flags only
     s.add_argument("--target", default="smollm2-135m", help="model name, HF checkpoint dir or .gguf file")

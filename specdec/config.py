@@ -126,6 +126,11 @@ class EngineConfig:
             the heads over its context shard (the ``T`` processes of one shard hold the same
             pages), and the output projection is summed over all of them. Needs ``helix_cp > 1`` and
             heads divisible by ``T * helix_cp``.
+        freeze_heap: :meth:`SpecEngine.generate` runs with the objects that existed before it
+            frozen for the garbage collector (:func:`specdec.heap.frozen_heap`): its full passes then
+            skip the model, graphs and pools, tens of milliseconds each, and the objects are unfrozen
+            when it returns. ``False``: the collector as the process has it. (A serving loop driving
+            :meth:`SpecEngine.step` freezes its own heap: ``specdec serve`` does after its warm-up.)
         attention_pdl: launch the Triton attention kernels with programmatic dependent launch
             (:mod:`specdec.pdl`); ``None`` (default): where the GPU has it (SM90+). ``True`` on a GPU
             without it is an error when a step runs them. The engine builds its own backends with
@@ -151,6 +156,7 @@ class EngineConfig:
     helix_cp: int = 1
     attention_tp: int = 1
     attention_pdl: bool | None = None
+    freeze_heap: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_length not in DRAFT_LENGTH_RULES:
@@ -185,7 +191,7 @@ class EngineConfig:
         if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
             raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
                               f"must be 1.0, got {self.kv_scale!r}")
-        for name in ("cuda_graphs", "batch_invariant", "prompt_graphs"):
+        for name in ("cuda_graphs", "batch_invariant", "prompt_graphs", "freeze_heap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):

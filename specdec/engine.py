@@ -31,6 +31,7 @@ from specdec.kvcache.sizing import default_kv_budget
 from specdec.kvcache.draft_kv import DraftKV
 from specdec.executor import OverlapExecutor, PlainExecutor, overlap_wanted
 from specdec.graphs import GraphPolicy
+from specdec.heap import frozen_heap
 from specdec.model_runner import ModelRunner
 from specdec.parallel.runtime import helix_shard, local_num_pages, page_manager
 from specdec.scheduler import Scheduler, StepPlan, decide_kv_sharing
@@ -449,16 +450,17 @@ class SpecEngine:
         req_ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist)]
         bar = _progress(sum(sp.max_new_tokens for sp in plist)) if progress else None
         pending = set(req_ids)
-        while pending:
-            for out in self.step():
-                if bar is not None:
-                    bar.update(len(out.new_token_ids))
-                    if out.finished:  # ended early (eos, stop, ...): the bar's total loses what it will not generate
-                        seq = self._seqs[out.req_id]
-                        bar.total -= seq.params.max_new_tokens - seq.num_output
-                        bar.refresh()
-                if out.finished:
-                    pending.discard(out.req_id)
+        with frozen_heap(self.config.freeze_heap):  # full GC passes skip the model, graphs and pools
+            while pending:
+                for out in self.step():
+                    if bar is not None:
+                        bar.update(len(out.new_token_ids))
+                        if out.finished:  # ended early (eos, stop, ...): the bar's total loses what it will not generate
+                            seq = self._seqs[out.req_id]
+                            bar.total -= seq.params.max_new_tokens - seq.num_output
+                            bar.refresh()
+                    if out.finished:
+                        pending.discard(out.req_id)
         if bar is not None:
             bar.close()
         return [self.release(r) for r in req_ids]

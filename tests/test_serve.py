@@ -405,7 +405,7 @@ def test_serve_config_names_the_field():
     from specdec.errors import ConfigError
 
     for kw, field in (({"model_name": ""}, "model_name"), ({"max_waiting": 0}, "max_waiting"),
-                      ({"drain_timeout_s": 0}, "drain_timeout_s")):
+                      ({"drain_timeout_s": 0}, "drain_timeout_s"), ({"freeze_heap": 1}, "freeze_heap")):
         with pytest.raises(ConfigError, match=field):
             ServeConfig(**{"model_name": "m", **kw})
 
@@ -700,3 +700,4 @@ def test_bench_serve_reads_specdec_and_peer_chunks_and_builds_peer_commands(tmp_
     assert "--speculative-config" not in bench.serve_command(args, "vllm", 8123)
     with pytest.raises(bench.ConfigError, match="--peer-model"):
         bench.peer_model(argparse.Namespace(peer_model=None, target="no-such-model"))
+

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from specdec.heap import frozen_heap
 from specdec.serve.config import ServeConfig
 from specdec.serve.driver import EngineDriver, Event, Handle
 from specdec.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -40,11 +41,14 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         engine.capture_graphs(progress=False)  # before /health says ready (a no-op without CUDA graphs)
         driver = EngineDriver(engine, config.max_waiting, metrics)
         app.state.driver = driver
-        driver.start()
-        try:
-            yield
-        finally:
-            await driver.stop(config.drain_timeout_s)
+        # what start-up built (model, graphs, pools, the app) is out of the collector's full passes
+        # while the server runs (specdec.heap); unfrozen at shutdown
+        with frozen_heap(config.freeze_heap, collect=True):
+            driver.start()
+            try:
+                yield
+            finally:
+                await driver.stop(config.drain_timeout_s)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.metrics = metrics
