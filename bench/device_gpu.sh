@@ -205,13 +205,17 @@ print('cute_mla import:', e or 'ok'); sys.exit(1 if e else 0)" || exit 1
              # tables come back as $OUT/versus/*.md)
       base=${BASE:-.baseline}
       mkdir -p "$OUT/versus"
-      e2e="bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 --drafters null,suffix --skip-hf"
-      for round in 0 1 2; do
+      e2e="bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 --skip-hf"
+      for round in ${ROUNDS:-0 1 2}; do
         sizes="--batch-sizes 32 --repeat 5"; limit=80
         [ "$round" = 0 ] && sizes="--batch-sizes 1,8,32" && limit=120
-        timeout $limit python $e2e $sizes --out "$OUT/versus/today_$round" 2>&1 | grep "^| specdec"
+        # EXTRA: more of today's systems in the batch-32 rounds, e.g. suffix+nofreeze
+        extra=""; [ "$round" != 0 ] && [ -n "${EXTRA:-}" ] && extra=",$EXTRA" && limit=$((limit + 50))
+        timeout $limit python $e2e --drafters null,suffix$extra $sizes --out "$OUT/versus/today_$round" 2>&1 \
+          | grep "^| specdec\|garbage collector"
         # the e2e script puts its own tree first on sys.path, so BASE's specdec is the one imported there
-        (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout $limit python $e2e $sizes --out "$OUT/versus/base_$round" \
+        (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 120 python $e2e --drafters null,suffix $sizes \
+          --out "$OUT/versus/base_$round" \
           2>&1 | grep "^| specdec")
       done
       rm -f "$OUT"/versus/*.json ;;  # at most 8 files come back

@@ -249,6 +249,107 @@ class SpecEngine:
             warm_up(self.target.vocab_size, self.target.device)
         return done
 
+    def warm_up(self, max_prompt_len: int | None = None, progress: bool = False) -> int:
+        """Run every kind of step once now, so that no request meets a first-time cost later.
+
+        Captures the graphs (:meth:`capture_graphs`), then runs throwaway requests through real
+        steps: one prompt of each power-of-two length bucket (and one just below it) up to
+        ``max_prompt_len``, whose eager prompt steps compile the kernels their tile sizes need
+        (Triton compiles a kernel the first time it meets new tile sizes, ~0.5-1 s on a GPU); two
+        prompts in one step; a greedy request decoding beside a sampled one; and a prompt step
+        beside decoding requests. The drafter proposes for them as for any request. They are
+        aborted after two steps (a suffix drafter indexes none of them) and forgotten; the engine's
+        timings are left as they were. ``specdec serve`` calls it before it reports ready.
+
+        Args:
+            max_prompt_len: the longest prompt to prepare for (default: the longest the model
+                takes; lengths the KV pool cannot hold are skipped).
+            progress: show a progress bar of the warm-up's requests.
+
+        Returns:
+            The steps run.
+
+        Raises:
+            InvalidRequestError: requests are waiting or running (warm up an idle engine), or
+                ``max_prompt_len`` is not a positive integer.
+            EngineClosedError: the engine was closed.
+        """
+        self._check_open()
+        if self.has_unfinished():
+            raise InvalidRequestError("warm_up needs an idle engine: requests are waiting or running")
+        if max_prompt_len is not None and (not isinstance(max_prompt_len, int) or isinstance(max_prompt_len, bool)
+                                           or max_prompt_len < 1):
+            raise InvalidRequestError(f"max_prompt_len must be a positive integer or None, got {max_prompt_len!r}")
+        self.capture_graphs(progress=progress)
+        if self.config.draft_length == "confidence" and self._max_draft:
+            self.cost_profile()  # measured (or loaded) now, not at the first step that cuts a draft
+        limit = self.target.max_context - 3 - self._max_draft  # a prompt, two steps and a draft fit
+        limit = min(limit, max_prompt_len) if max_prompt_len is not None else limit
+        if limit < 1:
+            return 0
+        lengths, bucket = [], 16
+        while bucket // 2 < limit:  # each power-of-two bucket: just below it, and at it
+            lengths += [n for n in (bucket - 1, bucket) if n <= limit]
+            bucket *= 2
+        lengths = sorted(set(lengths + [limit]))
+        vocab = self.target.vocab_size
+        # more tokens than a few steps emit: no warm-up request finishes (a finished response could
+        # join a drafter's index); the context bound still caps drafts
+        greedy = SamplingParams(max_new_tokens=64, ignore_eos=True)
+        sampled = SamplingParams(max_new_tokens=64, ignore_eos=True, temperature=0.8, top_p=0.95, seed=0)
+
+        def prompt(n: int, salt: int) -> list[int]:  # repeats, so that a suffix drafter drafts
+            period = 13 + salt
+            return [(salt * 7919 + 31 * (i % period)) % vocab for i in range(n)]
+
+        groups = [[(n, greedy)] for n in lengths]  # one prompt a step, each bucket
+        groups.append([(min(limit, 40), greedy), (min(limit, 24), sampled)])  # two prompts in one step
+        saved = dict(self.timings), dict(self.draft_length_stats)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(groups) + 2, unit="request group", desc="warm up")
+        steps, made = 0, []
+
+        def run(batch: list[tuple[int, SamplingParams]], after: int = 2) -> None:
+            nonlocal steps
+            ids = []
+            for n, params in batch:
+                req_id = f"__warm_up_{len(made)}"
+                try:
+                    self.add_request(prompt(n, len(made)), params, req_id=req_id, chat=False)
+                except PromptTooLongError:  # the pool cannot hold it: nothing to prepare for
+                    continue
+                made.append(req_id)
+                ids.append(req_id)
+            for _ in range(after):
+                if self.has_unfinished():
+                    self.step()
+                    steps += 1
+            if bar is not None:
+                bar.update(1)
+
+        try:
+            for group in groups:
+                run(group)
+                for req_id in made:
+                    self.abort(req_id)
+            run([(min(limit, 48), greedy), (min(limit, 20), sampled)], after=2)  # decoding, then
+            run([(min(limit, 32), greedy)], after=2)  # a prompt beside them: a mixed step
+        finally:
+            for req_id in made:
+                self.abort(req_id)
+                self._no_draft.discard(req_id)
+                self._warned.discard(req_id)
+                if req_id in self._seqs:
+                    self.release(req_id)
+            self.timings.update(saved[0])
+            self.draft_length_stats.update(saved[1])
+            if bar is not None:
+                bar.close()
+        return steps
+
     @property
     def attention_backends(self) -> dict[str, str]:
         """Backend that ran each phase of the last step (``{"context": ..., "generation": ...}``)."""

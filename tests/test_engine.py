@@ -204,3 +204,73 @@ def test_sampling_is_seeded_and_same_path_with_and_without_drafter(tiny):
     assert [o.token_ids for o in c] == [o.token_ids for o in a]  # a seed gives the same tokens with any drafter
     d = SpecEngine(tiny).generate(PROMPTS, SamplingParams(**{**{f: getattr(p, f) for f in p.__slots__}, "seed": 4}))
     assert [o.token_ids for o in d] != [o.token_ids for o in a]  # the seed matters
+
+
+class TestWarmUp:
+    """``SpecEngine.warm_up``: every kind of step once, and the engine left as it was."""
+
+    def _record(self, engine):
+        seen = []
+        launch = engine.runner.launch
+
+        def spy(step, *a, **kw):
+            seen.append(([c[0] for c in step.context], len(step.generation)))
+            return launch(step, *a, **kw)
+
+        engine.runner.launch = spy
+        return seen
+
+    @pytest.mark.parametrize("drafter", ["null", "suffix"])
+    def test_runs_each_prompt_bucket_two_prompts_and_a_mixed_step_then_leaves_no_trace(self, tiny, drafter):
+        from specdec.drafters import make_drafter
+
+        prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7, 6, 9, 8, 7, 6, 9]]
+        params = [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=20, temperature=0.9, seed=3)]
+        with SpecEngine(tiny, make_drafter(drafter), max_num_seqs=4) as fresh:
+            want = [o.token_ids for o in fresh.generate(prompts, params, chat=False)]
+        engine = SpecEngine(tiny, make_drafter(drafter), max_num_seqs=4)
+        free = engine.manager.num_free_pages
+        seen = self._record(engine)
+        steps = engine.warm_up()
+        assert steps == len(seen) > 0
+        q_lens = {q for ctx, _ in seen for q in ctx}
+        assert {15, 16, 31, 32, 63, 64} <= q_lens  # each power-of-two bucket
+        assert max(q_lens) >= tiny.max_context - 3 - engine.config.max_draft_tokens  # and about the longest
+        assert any(len(ctx) == 2 for ctx, _ in seen)  # two prompts in one step
+        assert any(ctx and gen for ctx, gen in seen)  # a prompt step beside decoding requests
+        # nothing left: no request, every page free, timings untouched, no response indexed
+        assert not engine.has_unfinished() and not engine._seqs
+        assert engine.manager.num_free_pages == free
+        assert engine.timings["steps"] == 0
+        if drafter == "suffix":
+            assert engine.drafter.global_tokens == 0
+        ids = [engine.add_request(p, sp, chat=False) for p, sp in zip(prompts, params)]
+        assert ids == ["0", "1"]  # the request ids a fresh engine gives
+        while engine.has_unfinished():
+            engine.step()
+        assert [engine.release(i).token_ids for i in ids] == want  # greedy and seeded outputs as a fresh engine's
+
+    def test_max_prompt_len_bounds_the_prompts_and_a_small_pool_skips_what_it_cannot_hold(self, tiny):
+        engine = SpecEngine(tiny, max_num_seqs=2)
+        seen = self._record(engine)
+        engine.warm_up(max_prompt_len=20)
+        assert max(q for ctx, _ in seen for q in ctx) == 20
+        small = SpecEngine(tiny, max_num_seqs=2, num_pages=3, tokens_per_block=16)  # 48 tokens
+        seen = self._record(small)
+        small.warm_up()
+        assert max(q for ctx, _ in seen for q in ctx) <= 48
+        assert small.manager.num_free_pages == 3 and not small._seqs
+
+    def test_errors(self, tiny):
+        engine = SpecEngine(tiny, max_num_seqs=2)
+        for bad in (0, -1, 2.5, True, "8"):
+            with pytest.raises(InvalidRequestError, match="max_prompt_len"):
+                engine.warm_up(max_prompt_len=bad)
+        engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2), chat=False)
+        with pytest.raises(InvalidRequestError, match="idle"):
+            engine.warm_up()
+        engine.close()
+        from specdec.errors import EngineClosedError
+
+        with pytest.raises(EngineClosedError):
+            engine.warm_up()

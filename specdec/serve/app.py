@@ -38,7 +38,8 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.capture_graphs(progress=False)  # before /health says ready (a no-op without CUDA graphs)
+        if engine.target.device.type == "cuda":  # first-time costs (graph captures, kernel compiles for
+            engine.warm_up()  # each prompt bucket, mixed steps) before /health says ready; none on the CPU
         driver = EngineDriver(engine, config.max_waiting, metrics)
         app.state.driver = driver
         # what start-up built (model, graphs, pools, the app) is out of the collector's full passes
