@@ -36,7 +36,7 @@ def _check_flags(args) -> None:
     from specdec.errors import ConfigError
 
     for flag in ("batch_size", "max_new_tokens", "steps", "num_layers", "num_target_layers", "block_size",
-                 "max_waiting", "max_num_seqs"):
+                 "max_waiting", "max_num_seqs", "max_prefill_tokens"):
         value = getattr(args, flag, 1)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {value}")
@@ -149,7 +149,7 @@ def cmd_serve(args) -> int:
                          freeze_heap=not args.no_freeze_heap)
     import uvicorn
 
-    engine = _engine(args, max_num_seqs=args.max_num_seqs)
+    engine = _engine(args, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens)
     # uvicorn handles SIGINT / SIGTERM while it runs, then raises the signal again for the handler
     # found before it: this one makes a drained shutdown end with exit status 0
     import signal
@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may finish at shutdown before they are aborted")
+    s.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N",
+                   help="feed prompts N tokens a step beside the decoding requests (chunked prefill; default: "
+                        "whole prompts)")
     s.add_argument("--no-freeze-heap", action="store_true",
                    help="leave start-up's objects to the garbage collector's full passes (default: frozen after warm-up)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -126,6 +126,10 @@ class EngineConfig:
             the heads over its context shard (the ``T`` processes of one shard hold the same
             pages), and the output projection is summed over all of them. Needs ``helix_cp > 1`` and
             heads divisible by ``T * helix_cp``.
+        max_prefill_tokens: most prompt tokens fed in one step (chunked prefill); a longer prompt,
+            or several, is fed over the next steps, each chunk beside the decoding requests, so that
+            an arriving long prompt delays their next token by one chunk's compute, not the whole
+            prompt's. Outputs are unchanged. ``None`` (default): whole prompts. Not with Helix.
         freeze_heap: :meth:`SpecEngine.generate` runs with the objects that existed before it
             frozen for the garbage collector (:func:`specdec.heap.frozen_heap`): its full passes then
             skip the model, graphs and pools, tens of milliseconds each, and the objects are unfrozen
@@ -156,6 +160,7 @@ class EngineConfig:
     helix_cp: int = 1
     attention_tp: int = 1
     attention_pdl: bool | None = None
+    max_prefill_tokens: int | None = None
     freeze_heap: bool = True
 
     def __post_init__(self) -> None:
@@ -196,6 +201,11 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):
             raise ConfigError(f"overlap_steps must be True, False or None (where it helps), got {self.overlap_steps!r}")
+        if self.max_prefill_tokens is not None and (not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1):
+            raise ConfigError(f"max_prefill_tokens must be an integer >= 1 or None (whole prompts), "
+                              f"got {self.max_prefill_tokens!r}")
+        if self.max_prefill_tokens is not None and self.helix_cp > 1:
+            raise ConfigError("max_prefill_tokens (chunked prefill) is not supported with helix_cp > 1 yet")
         if not _is_int(self.helix_cp) or self.helix_cp < 1:
             raise ConfigError(f"helix_cp must be an integer >= 1 (1 = no Helix), got {self.helix_cp!r}")
         if not _is_int(self.attention_tp) or self.attention_tp < 1:

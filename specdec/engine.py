@@ -106,7 +106,7 @@ class SpecEngine:
             self._scratch_slot = self.manager.slots(_SCRATCH, 0, 1)[0]
         self.draft_kv = self._draft_kv(draft_specs)
         self.drafter.bind(target, self.draft_kv)
-        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_prefill_tokens)
         # most draft tokens a request verifies per step; 0: the drafter never drafts (no slots reserved)
         self._max_draft = 0 if getattr(self.drafter, "never_drafts", False) else cfg.max_draft_tokens
         self._check_forced_backend()
@@ -776,6 +776,12 @@ class SpecEngine:
         ahead = self.executor.ahead_ids()
         for i, (seq, d, toks) in enumerate(zip(plan.requests, plan.drafts, emitted)):
             seq.stats.target_steps += 1
+            if i < len(plan.context) and not self.scheduler.prompt_done(plan, i):  # a chunk of a long prompt:
+                old_cached = seq.num_cached  # cached, and no token yet (its row is not a prediction)
+                self.scheduler.commit_chunk(seq, plan.chunks[i])
+                if hidden is not None and seq.req_id not in self._no_draft:
+                    spans.append((seq.req_id, old_cached, plan.token_starts[i], plan.chunks[i]))
+                continue
             if i >= len(plan.context):  # a generation step: record what speculation bought
                 seq.stats.accepted_lengths.append(len(toks))
                 seq.stats.drafted += len(d)

@@ -130,6 +130,7 @@ class StepPlan:
     """
 
     context: list[Sequence] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # prompt tokens each context request feeds this step
     generation: list[Sequence] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -155,14 +156,22 @@ class Scheduler:
     Every change of a request's cached length (``Sequence.num_cached``) and of its pages
     happens here: admission, reservation, packing, commit, preemption, undo and removal.
 
+    With ``max_prefill_tokens``, prompts are fed in chunks: a step's context requests feed at most
+    that many prompt tokens in all (decoding requests first, then the prompts already begun, then
+    new ones), and a prompt that does not fit is continued by the next steps. Only the step that
+    feeds a prompt's last token emits its first output token; until then the request is running
+    and its fed chunks are cached (:meth:`commit_chunk`).
+
     Args:
         manager: the KV page manager.
         max_num_seqs: most running requests.
+        max_prefill_tokens: most prompt tokens fed in one step; ``None``: whole prompts.
     """
 
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int):
+    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int | None = None):
         self.manager = manager
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -188,8 +197,12 @@ class Scheduler:
             draft_budget: ``(seq) -> int``, the most drafts a running request may verify.
         """
         plan = StepPlan()
+        prefilling = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            if len(seq.tokens) - seq.num_cached > 1:  # a prompt begun in an earlier step
+                prefilling.append(seq)
                 continue
             budget = draft_budget(seq)
             if budget and self._reserve(seq, 1 + budget, plan, preempt=False):
@@ -198,13 +211,25 @@ class Scheduler:
             elif self._reserve(seq, 1, plan, preempt=True):
                 plan.generation.append(seq)
                 plan.budgets.append(0)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        left = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
+        for seq in prefilling:  # then the prompts already begun, in arrival order
+            if left <= 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted by a request before it
+                continue
+            chunk = int(min(len(seq.tokens) - seq.num_cached, left))
+            if self._reserve(seq, chunk, plan, preempt=True):
+                plan.context.append(seq)
+                plan.chunks.append(chunk)
+                left -= chunk
+        while self.waiting and len(self.running) < self.max_num_seqs and left > 0:
             seq = self.waiting[0]
             need = len(seq.tokens)
             if not self.manager.can_grow(None, need + 1 + draft_budget(seq)) and self.running:
                 break  # wait for pages; an empty engine admits if the prompt alone fits
+            chunk = int(min(need, left))
             try:
-                self.manager.allocate(seq.req_id, need)
+                self.manager.allocate(seq.req_id, chunk)
             except PoolExhaustedError:
                 break
             self.waiting.popleft()
@@ -212,6 +237,8 @@ class Scheduler:
             seq.start()
             self.running.append(seq)
             plan.context.append(seq)
+            plan.chunks.append(chunk)
+            left -= chunk
         return plan
 
     def pack(self, plan: StepPlan, drafts: list[Draft]) -> StepPlan:
@@ -242,6 +269,8 @@ class Scheduler:
                 # -1 - i stands for the propose's i-th token (StepInput.draft_source)
                 source, at = src, draft.token_ids.start
                 fed = seq.tokens[seq.num_cached:] + [-1 - j for j in range(at, at + len(draft))]
+            elif i < len(plan.context):  # a prompt, or its next chunk
+                fed = seq.tokens[seq.num_cached:seq.num_cached + plan.chunks[i]]
             else:
                 fed = seq.tokens[seq.num_cached:] + list(draft.token_ids)
             start, stop = seq.num_cached, seq.num_cached + len(fed)
@@ -303,15 +332,30 @@ class Scheduler:
         seq.num_cached = len(seq.tokens) - 1
         self.manager.truncate(seq.req_id, seq.num_cached + ahead)
 
+    def commit_chunk(self, seq: Sequence, num_tokens: int) -> None:
+        """After a step that fed ``num_tokens`` of ``seq``'s prompt but not its last token: they
+        stay cached, and the next steps feed the rest."""
+        seq.num_cached += num_tokens
+        self.manager.truncate(seq.req_id, seq.num_cached)
+
+    def prompt_done(self, plan: StepPlan, i: int) -> bool:
+        """Whether context request ``i`` of packed ``plan`` fed its prompt's last token this step
+        (then it emits its first token; else only its chunk is cached)."""
+        seq = plan.context[i]
+        return seq.num_cached + plan.chunks[i] >= len(seq.tokens)
+
     def undo(self, plan: StepPlan) -> None:
         """Give back what :meth:`schedule` (and :meth:`pack`) did for ``plan`` after its step failed.
 
         Requests it admitted wait again at the head of the queue (their pages freed, to be
-        prefilled again); running ones keep only their cached tokens' slots. Preemptions stand:
-        a preempted request is a consistent waiting one. Finished requests are left alone.
+        prefilled again); running ones, prompts begun earlier among them, keep only their cached
+        tokens' slots. Preemptions stand: a preempted request is a consistent waiting one.
+        Finished requests are left alone.
         """
         for seq in reversed(plan.context):
-            if seq in self.running:
+            if seq in self.running and seq.num_cached and seq.status is Status.RUNNING:  # begun earlier
+                self.manager.truncate(seq.req_id, min(seq.num_cached, self.manager.length(seq.req_id)))
+            elif seq in self.running:
                 self.running.remove(seq)
                 if seq.req_id in self.manager:
                     self.manager.free(seq.req_id)
@@ -346,3 +390,6 @@ class Scheduler:
         if seq in plan.generation:
             i = plan.generation.index(seq)
             del plan.generation[i], plan.budgets[i]
+        if seq in plan.context:  # a prompt begun earlier, given its chunk before this preemption
+            i = plan.context.index(seq)
+            del plan.context[i], plan.chunks[i]

@@ -147,3 +147,18 @@ def test_raw_text_prompt_skips_the_chat_template(smollm2):
     chat = engine.generate(["def fib(n):"], SamplingParams(max_new_tokens=4))[0]
     assert raw.prompt_token_ids == tuple(smollm2.tokenizer("def fib(n):")["input_ids"])
     assert len(chat.prompt_token_ids) > len(raw.prompt_token_ids)
+
+
+@pytest.mark.parametrize("system,chunk", [("suffix", 48), ("dflash", 37)])
+def test_chunked_prefill_is_lossless(smollm2, baseline, system, chunk):
+    """Prompts fed in chunks of ``chunk`` tokens (``max_prefill_tokens``), batch 4: the outputs of
+    whole prompts with the null drafter; DFlash reads its context from the chunks' hidden states."""
+    prompts = _prompts()
+    drafter = SuffixAutomatonDrafter(max_draft_tokens=6) if system == "suffix" else DFlashDrafter()
+    engine = SpecEngine(smollm2, drafter, max_draft_tokens=6, tokens_per_block=16, max_prefill_tokens=chunk)
+    outs = []
+    for i in range(0, len(prompts), 4):
+        outs += engine.generate(prompts[i:i + 4], SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in baseline]
+    assert sum(o.stats.accepted for o in outs) > 0
+    assert max(len(o.prompt_token_ids) for o in outs) > 2 * chunk  # prompts that took several chunks

@@ -418,9 +418,11 @@ def test_cli_serve_help_is_fast_and_bad_flags_fail_before_loading():
                            "try: main(['serve', '--help'])\nexcept SystemExit: pass\n"
                            "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=60)
     assert "--max-waiting" in done.stdout and done.stdout.strip().endswith("False")
-    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--max-waiting", "0"],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--max-waiting" in bad.stderr
+    assert "--max-prefill-tokens" in done.stdout and "--no-freeze-heap" in done.stdout
+    for flag in ("--max-waiting", "--max-prefill-tokens"):
+        bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", flag, "0"],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and flag in bad.stderr
 
 
 def test_cli_serve_answers_and_exits_0_on_sigterm(tmp_path_factory):
@@ -698,6 +700,13 @@ def test_bench_serve_reads_specdec_and_peer_chunks_and_builds_peer_commands(tmp_
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 6
     assert "--speculative-config" not in bench.serve_command(args, "vllm", 8123)
+    ours = argparse.Namespace(target="smollm2-135m", device="cuda", dtype="bfloat16", max_num_seqs=64,
+                              max_waiting=1024, max_draft_tokens=8)
+    cmd = bench.serve_command(ours, "suffix+chunk512", 8124)  # a specdec server with chunked prefill
+    assert cmd[cmd.index("--drafter") + 1] == "suffix" and cmd[cmd.index("--max-prefill-tokens") + 1] == "512"
+    assert "--max-prefill-tokens" not in bench.serve_command(ours, "suffix", 8124)
+    with pytest.raises(SystemExit, match="chunkN"):
+        bench.serve_command(ours, "suffix+chunk", 8124)
     with pytest.raises(bench.ConfigError, match="--peer-model"):
         bench.peer_model(argparse.Namespace(peer_model=None, target="no-such-model"))
 
