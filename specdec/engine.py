@@ -256,10 +256,11 @@ class SpecEngine:
         steps: one prompt of each power-of-two length bucket (and one just below it) up to
         ``max_prompt_len``, whose eager prompt steps compile the kernels their tile sizes need
         (Triton compiles a kernel the first time it meets new tile sizes, ~0.5-1 s on a GPU); two
-        prompts in one step; a greedy request decoding beside a sampled one; and a prompt step
-        beside decoding requests. The drafter proposes for them as for any request. They are
-        aborted after two steps (a suffix drafter indexes none of them) and forgotten; the engine's
-        timings are left as they were. ``specdec serve`` calls it before it reports ready.
+        prompts in one step; and each bucket's prompt again, in a step beside a greedy and a
+        sampled request that decode (a mixed step, with their drafts' verify rows). The drafter
+        proposes for them as for any request. They are aborted after a few steps (a suffix drafter
+        indexes none of them) and forgotten; the engine's timings are left as they were.
+        ``specdec serve`` calls it before it reports ready.
 
         Args:
             max_prompt_len: the longest prompt to prepare for (default: the longest the model
@@ -302,41 +303,41 @@ class SpecEngine:
             period = 13 + salt
             return [(salt * 7919 + 31 * (i % period)) % vocab for i in range(n)]
 
-        groups = [[(n, greedy)] for n in lengths]  # one prompt a step, each bucket
-        groups.append([(min(limit, 40), greedy), (min(limit, 24), sampled)])  # two prompts in one step
+        # each group: (requests to add, steps to run after adding them) in turn, then all aborted
+        groups = [[([(n, greedy)], 2)] for n in lengths]  # one prompt a step, each bucket
+        groups.append([([(min(limit, 40), greedy), (min(limit, 24), sampled)], 2)])  # two prompts in one step
+        decoding = ([(min(limit, 12), greedy), (min(limit, 10), sampled)], 2)  # prompt step, then a decode step
+        groups += [[decoding, ([(n, greedy)], 1)] for n in lengths]  # each bucket's prompt beside them: mixed
         saved = dict(self.timings), dict(self.draft_length_stats)
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(groups) + 2, unit="request group", desc="warm up")
+            bar = tqdm(total=len(groups), unit="group", desc="warm up")
         steps, made = 0, []
 
-        def run(batch: list[tuple[int, SamplingParams]], after: int = 2) -> None:
+        def run(group) -> None:
             nonlocal steps
-            ids = []
-            for n, params in batch:
-                req_id = f"__warm_up_{len(made)}"
-                try:
-                    self.add_request(prompt(n, len(made)), params, req_id=req_id, chat=False)
-                except PromptTooLongError:  # the pool cannot hold it: nothing to prepare for
-                    continue
-                made.append(req_id)
-                ids.append(req_id)
-            for _ in range(after):
-                if self.has_unfinished():
-                    self.step()
-                    steps += 1
+            for batch, after in group:
+                for n, params in batch:
+                    req_id = f"__warm_up_{len(made)}"
+                    try:
+                        self.add_request(prompt(n, len(made)), params, req_id=req_id, chat=False)
+                    except PromptTooLongError:  # the pool cannot hold it: nothing to prepare for
+                        continue
+                    made.append(req_id)
+                for _ in range(after):
+                    if self.has_unfinished():
+                        self.step()
+                        steps += 1
+            for req_id in made:
+                self.abort(req_id)
             if bar is not None:
                 bar.update(1)
 
         try:
             for group in groups:
                 run(group)
-                for req_id in made:
-                    self.abort(req_id)
-            run([(min(limit, 48), greedy), (min(limit, 20), sampled)], after=2)  # decoding, then
-            run([(min(limit, 32), greedy)], after=2)  # a prompt beside them: a mixed step
         finally:
             for req_id in made:
                 self.abort(req_id)

@@ -237,7 +237,8 @@ class TestWarmUp:
         assert {15, 16, 31, 32, 63, 64} <= q_lens  # each power-of-two bucket
         assert max(q_lens) >= tiny.max_context - 3 - engine.config.max_draft_tokens  # and about the longest
         assert any(len(ctx) == 2 for ctx, _ in seen)  # two prompts in one step
-        assert any(ctx and gen for ctx, gen in seen)  # a prompt step beside decoding requests
+        mixed = {q for ctx, gen in seen if gen for q in ctx}  # prompts fed beside decoding requests
+        assert {15, 16, 31, 32, 63, 64} <= mixed
         # nothing left: no request, every page free, timings untouched, no response indexed
         assert not engine.has_unfinished() and not engine._seqs
         assert engine.manager.num_free_pages == free
