@@ -386,7 +386,8 @@ def main() -> None:
                 mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
                 if "per_step_ms" in r:
                     p = r["per_step_ms"]
-                    brk = f"{p['forward']:.3f} / {p['draft']:.3f} / {p['verify']:.3f} / {p['host']:.3f}"
+                    brk = f"{p['forward']:.3f} / {p['draft']:.3f} / {p['verify']:.3f} / {p['host']:.3f}" + (
+                        f" (+ plan {p['plan']:.3f})" if "plan" in p else "")  # schedule and pack
                     floor = f"{step_floor_us(target, b, r['mean_context']):.0f}"
                     g = r["graphs"]
                     graphs = f"{g['graph_steps']}/{g['graph_steps'] + g['eager_steps']}"

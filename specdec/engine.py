@@ -113,8 +113,10 @@ class SpecEngine:
         overlap = overlap_wanted(cfg.overlap_steps, not self._max_draft, target.device.type,
                                  type(self.drafter).__name__, cfg.max_draft_tokens, cfg.helix_cp)
         self.runner = self._model_runner(overlap)
+        # where a step's time goes: the drafter, the target's forward (with the one wait), verification,
+        # committing the tokens (host) and the scheduler's plan (schedule and pack)
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
-                        "overlapped_steps": 0}
+                        "plan_s": 0.0, "overlapped_steps": 0}
         #: how steps follow each other (:mod:`specdec.executor`): ``plain`` or ``overlap``
         self.executor = (OverlapExecutor(self.scheduler, self.runner, target.max_context, self.timings)
                          if overlap else PlainExecutor())
@@ -452,10 +454,15 @@ class SpecEngine:
     def _step(self) -> list[StepOutput]:
         plan = self._plan = self.executor.take_launched()  # overlap: a decode step already under way
         if plan is None:
+            t0 = time.perf_counter()
             plan = self._plan = self.scheduler.schedule(self._draft_budget)
             if not plan:
                 return self._unschedulable()
-            self.scheduler.pack(plan, self._propose(plan))  # slots, rows and page tables, laid out once
+            t1 = time.perf_counter()
+            drafts = self._propose(plan)
+            t2 = time.perf_counter()
+            self.scheduler.pack(plan, drafts)  # slots, rows and page tables, laid out once
+            self.timings["plan_s"] += (t1 - t0) + (time.perf_counter() - t2)
             self._launch(plan)
         self.executor.launched(plan)  # overlap: queue the next decode step before waiting for this one
         self._wait(plan)

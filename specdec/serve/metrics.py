@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specdec.sequence import GenerationOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-_PHASES = ("draft", "forward", "verify", "host")
+_PHASES = ("draft", "forward", "verify", "host", "plan")
 
 
 class ServeMetrics:
