@@ -201,6 +201,7 @@ def test_fp8_and_helix_verdicts_once_sm90_is_validated(monkeypatch, overrides, f
 
 def test_until_sm90_is_validated_fp8_and_helix_are_refused_for_that_alone(monkeypatch):
     monkeypatch.setattr(cute_mla, "IMPORT_ERROR", None)
+    monkeypatch.setattr(cute_mla, "VALIDATED_SM", ())
     monkeypatch.setattr(cute_mla, "FP8_VALIDATED_SM", (90,))
     monkeypatch.setattr(cute_mla, "HELIX_VALIDATED_SM", (90,))
     for shape in (mla_gpu(kv_dtype="float8_e4m3fn"), mla_gpu(helix_cp=2), mla_gpu(helix_cp=8, num_heads=128)):

@@ -4,11 +4,13 @@ Status: the kernel compiles for ``sm_90a`` (on a CPU too, ``CUTE_DSL_ARCH=sm_90a
 FP8 E4M3 caches, with and without Helix page tables, with no spills reported by ptxas (168
 registers a thread at compile time, ``setmaxnreg`` 40 / 232 at run time; 222,208 bytes of shared
 memory for every page size and both dtypes), and its register-layout assumptions are checked at
-compile time (``tests/test_cute_mla.py``), but it has **not run on a GPU yet**: ``VALIDATED_SM``
-is empty, so :meth:`CuteMLABackend.supports` refuses every shape ("not yet validated on SM90") and
-the selector never picks it. FP8 caches and Helix have gates of their own on top of it
-(``FP8_VALIDATED_SM``, ``HELIX_VALIDATED_SM``: ``TestGPU::test_fp8_*``, ``TestGPU::test_helix_*``).
-Add 90 to each only after its GPU tests pass on an H100/H200::
+compile time (``tests/test_cute_mla.py``). On an H100 (2026-12-06) its GPU tests passed, 150 of
+them: bf16, FP8 and Helix (``TestGPU``, against a float64 reference), so ``VALIDATED_SM``,
+``FP8_VALIDATED_SM`` and ``HELIX_VALIDATED_SM`` hold 90 and :meth:`CuteMLABackend.supports` accepts
+sm90 shapes. Measured beside ``triton_mla`` (BENCHMARKS.md, "MLA: cute_mla"), it is 1.1-1.5x faster
+at batch 64 with 96-128 heads but pays a fixed 365-400 µs a call on the host at batch 1, so
+:meth:`CuteMLABackend.cost` keeps ranking it behind ``triton_mla`` (``MEASURED_FASTER`` is empty):
+the selector uses it only when named (``attention_backend="cute_mla"``). To re-run the gate::
 
     pip install nvidia-cutlass-dsl==4.8.1   # 4.8.1 is what was compiled against
     PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
@@ -124,15 +126,16 @@ Q_DTYPES = ("bfloat16",)
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 BLOCK_M = 64
 SMEM_LIMIT = 227 * 1024  # an sm90 CTA's shared memory (kernel_config keeps every ring within it)
-# GPU archs on which tests/test_cute_mla.py::TestGPU has passed (bf16 cache, unsharded). Empty: never
-# selected, never run by a request. Add 90 only after that class passes on an H100/H200.
-VALIDATED_SM: tuple[int, ...] = ()
-# Likewise for the FP8 E4M3 cache (TestGPU::test_fp8_*) and Helix page tables (TestGPU::test_helix_*),
-# each on top of VALIDATED_SM.
-FP8_VALIDATED_SM: tuple[int, ...] = ()
-HELIX_VALIDATED_SM: tuple[int, ...] = ()
+# GPU archs on which tests/test_cute_mla.py::TestGPU has passed (bf16 cache, unsharded): sm90 on an
+# H100, 2026-12-06 (70 passed). An arch not listed is never selected, never run by a request.
+VALIDATED_SM: tuple[int, ...] = (90,)
+# Likewise for the FP8 E4M3 cache (TestGPU::test_fp8_*: 69 passed) and Helix page tables
+# (TestGPU::test_helix_*: 11 passed), each on top of VALIDATED_SM.
+FP8_VALIDATED_SM: tuple[int, ...] = (90,)
+HELIX_VALIDATED_SM: tuple[int, ...] = (90,)
 # (kv_dtype, max_q_len) classes where bench/mla_decode.py measured cute_mla faster than triton_mla
-# on a validated arch; elsewhere cost() ranks it behind triton_mla.
+# on a validated arch; elsewhere cost() ranks it behind triton_mla. Empty: faster at batch 64 with
+# 96-128 heads (1.1-1.5x), slower at batch 1 (a fixed ~370 µs a call), and a class has no batch.
 MEASURED_FASTER: frozenset[tuple[str, int]] = frozenset()
 
 
