@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import tiny_llama
 from specdec import SamplingParams, SpecEngine
 from specdec.config import EngineConfig
 from specdec.drafters import NullDrafter, SuffixAutomatonDrafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
 from specdec.errors import ConfigError
-from specdec.target import load_target
 
 VOCAB, HIDDEN = 64, 32
 
@@ -23,13 +22,8 @@ VOCAB, HIDDEN = 64, 32
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A random 3-layer Llama (vocab 64, 160 positions) with a usable logit scale."""
-    path = tmp_path_factory.mktemp("chunk_target")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160,
-                                   initializer_range=0.3, eos_token_id=63)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return load_target(path)
+    return tiny_llama(tmp_path_factory.mktemp("chunk_target"), "cpu", num_hidden_layers=3,
+                      max_position_embeddings=160, initializer_range=0.3)
 
 
 def _prompts(lengths, seed=0):
