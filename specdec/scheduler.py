@@ -285,8 +285,7 @@ class Scheduler:
             ids += fed
             positions += range(start, stop)
             slots += self.manager.slots(seq.req_id, start, stop)
-            (ctx if i < len(plan.context) else gen).append(
-                (len(fed), stop, tuple(self.manager.page_table(seq.req_id))))
+            (ctx if i < len(plan.context) else gen).append((len(fed), stop, self.manager.page_tuple(seq.req_id)))
         plan.inputs = StepInput(ids, positions, slots, ctx, gen, rows, sampling or None,
                                 None if source is None else source.flat)
         return plan
@@ -368,12 +367,12 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan, preempt: bool) -> bool:
         """Grow ``seq`` by ``num_tokens`` new tokens; with ``preempt``, evict newer requests
         (``seq`` itself last) until it fits. Returns whether ``seq`` runs this step."""
-        self.manager.truncate(seq.req_id, seq.num_cached)
         while True:
             try:
-                self.manager.append(seq.req_id, num_tokens)
+                self.manager.resize(seq.req_id, seq.num_cached + num_tokens)
                 return True
             except PoolExhaustedError:
+                self.manager.truncate(seq.req_id, seq.num_cached)  # holds its cached tokens' slots only
                 if not preempt:
                     return False
                 victim = self.running[-1]

@@ -122,6 +122,27 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m.slots(req, 0, new_len) == slots_kept
         self.lengths[req], self.tables[req] = new_len, table
 
+    @rule(req=req_ids, n=st.integers(-2, 30))
+    def resize(self, req, n: int) -> None:
+        """Grow or shrink in one call: as append or truncate would, a prefix of the pages kept."""
+        before = self.snapshot()
+        if req not in self.lengths or n < 0:
+            with pytest.raises(InvalidRequestError):
+                self.m.resize(req, n)
+            assert self.snapshot() == before
+            return
+        if not self.fits(req, n):
+            with pytest.raises(PoolExhaustedError, match="more page"):
+                self.m.resize(req, n)
+            assert self.snapshot() == before
+            return
+        self.m.resize(req, n)
+        table = self.m.page_table(req)
+        keep = min(len(table), len(self.tables[req]))
+        assert table[:keep] == self.tables[req][:keep], "resizing moved kept pages"
+        assert self.m.page_tuple(req) == tuple(table)
+        self.lengths[req], self.tables[req] = n, table
+
     @rule(req=req_ids)
     def free(self, req) -> None:
         before = self.snapshot()

@@ -63,6 +63,34 @@ class KVCacheManager:
         """Physical pages of ``req_id``, logical page order (a copy)."""
         return list(self._tables[self._known(req_id)])
 
+    def page_tuple(self, req_id: Hashable) -> tuple[int, ...]:
+        """Physical pages of ``req_id``, logical page order, as a tuple (the step plan's form)."""
+        return tuple(self._tables[self._known(req_id)])
+
+    def resize(self, req_id: Hashable, new_length: int) -> None:
+        """Set ``req_id``'s length to ``new_length`` tokens, taking or returning pages as needed
+        (:meth:`append` or :meth:`truncate` in one call).
+
+        Raises:
+            InvalidRequestError: ``new_length < 0``.
+            PoolExhaustedError: not enough free pages to grow (the request is unchanged).
+        """
+        table = self._tables[self._known(req_id)]
+        if new_length < 0:
+            raise InvalidRequestError(f"new_length must be >= 0 for request {req_id!r}, got {new_length}")
+        tpb = self.tokens_per_block
+        keep = -(-new_length // tpb)
+        need = keep - len(table)
+        if need > len(self._free):
+            raise PoolExhaustedError(
+                f"request {req_id!r} needs {need} more page(s) of {tpb} tokens, {len(self._free)} free of {self.num_pages}")
+        free = self._free
+        for _ in range(need):
+            table.append(free.pop())
+        while len(table) > keep:
+            free.append(table.pop())
+        self._lengths[req_id] = new_length
+
     def can_grow(self, req_id: Hashable | None, num_tokens: int) -> bool:
         """Whether ``num_tokens`` more tokens fit for ``req_id`` (``None``: a new request)."""
         have = self._lengths.get(req_id, 0)
