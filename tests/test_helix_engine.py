@@ -281,8 +281,8 @@ def test_helix_config_errors(tiny, tmp_path):
 # -- the rank's page manager ----------------------------------------------------------------------
 @settings(max_examples=80, deadline=None)
 @given(cp=st.integers(2, 4), tpb=st.sampled_from([1, 4, 16]), pages=st.integers(1, 12),
-       ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["grow", "truncate", "free"]), st.integers(0, 40)),
-                    max_size=30))
+       ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["grow", "truncate", "free", "resize"]),
+                              st.integers(0, 40)), max_size=30))
 def test_page_manager_ranks_decide_room_alike(cp, tpb, pages, ops):
     """Driven by the same calls, every rank's manager accepts or refuses together (no collective),
     holds exactly its share, and rolls back to exactly its share."""
@@ -307,6 +307,16 @@ def test_page_manager_ranks_decide_room_alike(cp, tpb, pages, ops):
         elif op == "free" and req in ms[0]:
             for m in ms:
                 m.free(req)
+        elif op == "resize" and req in ms[0]:  # grow or shrink in one call, to n tokens
+            verdicts = []
+            for m in ms:
+                try:
+                    m.resize(req, n)
+                    verdicts.append(True)
+                except PoolExhaustedError:
+                    verdicts.append(False)
+            assert len(set(verdicts)) == 1, f"ranks disagree about room: {verdicts}"
+            assert all(m.page_tuple(req) == tuple(m.page_table(req)) for m in ms)
         for m in ms:
             held = 0
             for r in range(3):

@@ -179,6 +179,10 @@ class HelixPageManager:
         """This rank's physical pages of ``req_id``, local order (a copy)."""
         return self.helix.page_table(req_id)
 
+    def page_tuple(self, req_id: Hashable) -> tuple[int, ...]:
+        """:meth:`page_table` as a tuple (the step plan's form)."""
+        return tuple(self.helix.page_table(req_id))
+
     def allocation(self, req_id: Hashable) -> int:
         """:meth:`KVCacheManager.allocation` of this rank's pages of ``req_id``."""
         return self.helix.allocation(req_id)
@@ -233,6 +237,21 @@ class HelixPageManager:
         have = self.length(req_id)
         self.helix.truncate(req_id, new_length)
         self._rank0_used -= self._rank0_pages(have) - self._rank0_pages(new_length)
+
+    def resize(self, req_id: Hashable, new_length: int) -> None:
+        """Set ``req_id`` to ``new_length`` global tokens (:meth:`append` or :meth:`truncate`).
+
+        Raises:
+            InvalidRequestError: ``new_length < 0``.
+            PoolExhaustedError: growing does not fit on every rank (the request is unchanged everywhere).
+        """
+        if new_length < 0:
+            raise InvalidRequestError(f"new_length must be >= 0 for request {req_id!r}, got {new_length}")
+        have = self.length(req_id)
+        if new_length >= have:
+            self.append(req_id, new_length - have)
+        else:
+            self.truncate(req_id, new_length)
 
     def free(self, req_id: Hashable) -> None:
         """Release every page of ``req_id`` on this rank and forget it."""
