@@ -204,10 +204,10 @@ class EngineConfig:
         if self.max_prefill_tokens is not None and (not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1):
             raise ConfigError(f"max_prefill_tokens must be an integer >= 1 or None (whole prompts), "
                               f"got {self.max_prefill_tokens!r}")
-        if self.max_prefill_tokens is not None and self.helix_cp > 1:
-            raise ConfigError("max_prefill_tokens (chunked prefill) is not supported with helix_cp > 1 yet")
         if not _is_int(self.helix_cp) or self.helix_cp < 1:
             raise ConfigError(f"helix_cp must be an integer >= 1 (1 = no Helix), got {self.helix_cp!r}")
+        if self.max_prefill_tokens is not None and self.helix_cp > 1:
+            raise ConfigError("max_prefill_tokens (chunked prefill) is not supported with helix_cp > 1 yet")
         if not _is_int(self.attention_tp) or self.attention_tp < 1:
             raise ConfigError(f"attention_tp must be an integer >= 1 (1 = off), got {self.attention_tp!r}")
         if self.batch_invariant and not self.cuda_graphs:

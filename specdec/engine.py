@@ -311,11 +311,7 @@ class SpecEngine:
         decoding = ([(min(limit, 12), greedy), (min(limit, 10), sampled)], 2)  # prompt step, then a decode step
         groups += [[decoding, ([(n, greedy)], 1)] for n in lengths]  # each bucket's prompt beside them: mixed
         saved = dict(self.timings), dict(self.draft_length_stats)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(groups), unit="group", desc="warm up")
+        bar = _progress(len(groups), unit="group", desc="warm up") if progress else None
         steps, made = 0, []
 
         def run(group) -> None:
@@ -341,10 +337,8 @@ class SpecEngine:
             for group in groups:
                 run(group)
         finally:
-            for req_id in made:
+            for req_id in made:  # aborted (which forgets their drafter state and warnings), then released
                 self.abort(req_id)
-                self._no_draft.discard(req_id)
-                self._warned.discard(req_id)
                 if req_id in self._seqs:
                     self.release(req_id)
             self.timings.update(saved[0])
@@ -1022,7 +1016,7 @@ def _valid_device_draft(d: Draft, budget: int, vocab_size: int) -> Draft:
                  None if conf is None else conf[:budget])
 
 
-def _progress(total: int):
+def _progress(total: int, unit: str = "tok", desc: str = "generate"):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="tok", desc="generate")
+    return tqdm(total=total, unit=unit, desc=desc)

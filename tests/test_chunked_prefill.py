@@ -158,3 +158,5 @@ def test_max_prefill_tokens_errors(bad):
 def test_not_with_helix():
     with pytest.raises(ConfigError, match="max_prefill_tokens"):
         EngineConfig(max_prefill_tokens=64, helix_cp=2)
+    with pytest.raises(ConfigError, match="helix_cp must be an integer"):  # a bad helix_cp is named first
+        EngineConfig(max_prefill_tokens=64, helix_cp="2")

@@ -69,22 +69,23 @@ class KVCacheManager:
 
     def resize(self, req_id: Hashable, new_length: int) -> None:
         """Set ``req_id``'s length to ``new_length`` tokens, taking or returning pages as needed
-        (:meth:`append` or :meth:`truncate` in one call).
+        (the one place pages move: :meth:`append` and :meth:`truncate` call it; the scheduler's
+        reservation calls it directly, growing or shrinking in one call).
 
         Raises:
             InvalidRequestError: ``new_length < 0``.
             PoolExhaustedError: not enough free pages to grow (the request is unchanged).
         """
-        table = self._tables[self._known(req_id)]
+        table, free = self._tables[self._known(req_id)], self._free
         if new_length < 0:
             raise InvalidRequestError(f"new_length must be >= 0 for request {req_id!r}, got {new_length}")
-        tpb = self.tokens_per_block
-        keep = -(-new_length // tpb)
+        keep = pages_for(new_length, self.tokens_per_block)
         need = keep - len(table)
-        if need > len(self._free):
+        if need > len(free):
             raise PoolExhaustedError(
-                f"request {req_id!r} needs {need} more page(s) of {tpb} tokens, {len(self._free)} free of {self.num_pages}")
-        free = self._free
+                f"request {req_id!r} needs {need} more page(s) of {self.tokens_per_block} tokens, "
+                f"{len(free)} free of {self.num_pages}"
+            )
         for _ in range(need):
             table.append(free.pop())
         while len(table) > keep:
@@ -131,31 +132,19 @@ class KVCacheManager:
         Raises:
             PoolExhaustedError: not enough free pages (the request is unchanged).
         """
-        table = self._tables[self._known(req_id)]
+        self._known(req_id)
         if num_tokens < 0:
             raise InvalidRequestError(f"num_tokens must be >= 0, got {num_tokens}")
-        new_len = self._lengths[req_id] + num_tokens
-        need = pages_for(new_len, self.tokens_per_block) - len(table)
-        if need > len(self._free):
-            raise PoolExhaustedError(
-                f"request {req_id!r} needs {need} more page(s) of {self.tokens_per_block} tokens, "
-                f"{len(self._free)} free of {self.num_pages}"
-            )
-        for _ in range(need):
-            table.append(self._free.pop())
-        self._lengths[req_id] = new_len
+        self.resize(req_id, self._lengths[req_id] + num_tokens)
 
     def truncate(self, req_id: Hashable, new_length: int) -> None:
         """Shrink ``req_id`` to ``new_length`` tokens; pages past it return to the free list."""
-        table = self._tables[self._known(req_id)]
+        self._known(req_id)
         if not 0 <= new_length <= self._lengths[req_id]:
             raise InvalidRequestError(
                 f"new_length must be in [0, {self._lengths[req_id]}] for request {req_id!r}, got {new_length}"
             )
-        keep = pages_for(new_length, self.tokens_per_block)
-        while len(table) > keep:
-            self._free.append(table.pop())
-        self._lengths[req_id] = new_length
+        self.resize(req_id, new_length)
 
     def free(self, req_id: Hashable) -> None:
         """Release every page of ``req_id`` and forget it."""
