@@ -23,11 +23,12 @@
 #   bash bench/drafter_round.sh hostprofile # e2e at batch 1 with cProfile of each drafter's host functions
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
-# Knobs: MAGPIE, CODE, GROUNDED, MATH (prompts of each source), SAMPLED (fraction with a sampled response too), BATCH, PART,
+# Knobs: MAGPIE, CODE, GROUNDED, MATH, DOCS, HEVAL (prompts of each source; DOC_SOURCES: earlier builds whose
+# passages the documents also use), SAMPLED (fraction with a sampled response too), BATCH, PART,
 # SEED (data), MAXTOK (new tokens per response); DATA may name several folders (the parts), space-separated,
 # for train; INIT=1 starts train from the checkpoints in the repo with a new plan (RESUME=1 continues theirs;
 # RESUME=/tmp/ck-{kind} continues the last call's on the same warm machine, nothing carried back first);
-# LR (peak learning rate, default 1e-3); SEQS (sequences a training step, default 16); COMPILE_LOSS=1 fuses the
+# LR (peak learning rate, default 1e-3); MAXLEN (tokens of each sequence trained on, default 1024); SEQS (sequences a training step, default 16); COMPILE_LOSS=1 fuses the
 # loss's passes over the vocabulary with torch.compile (--compile-loss); trainsplit: SPLIT_SEQS (sizes) and LOOP
 # (steps of the training loop itself timed with the plain and the compiled loss, default 20).
 # FROM=/tmp/ck-{kind}: before any part, install the checkpoints a train part left on this warm machine
@@ -63,14 +64,16 @@ for part in "$@"; do
       timeout 570 python -m specdec.drafters.data --out "$DATA" --num-magpie "${MAGPIE:-20000}" \
         --num-code "${CODE:-20000}" --sampled-fraction "${SAMPLED:-0}" --batch-size "${BATCH:-256}" \
         --part "${PART:-0/1}" --seed "${SEED:-0}" --max-new-tokens "${MAXTOK:-384}" \
-        --num-grounded "${GROUNDED:-10000}" --num-math "${MATH:-5000}" --max-seconds "${DATA_SECONDS:-480}" --save-every 60 --device cuda 2>&1 \
+        --num-grounded "${GROUNDED:-10000}" --num-math "${MATH:-5000}" --num-humaneval "${HEVAL:-100}" \
+        --num-documents "${DOCS:-0}" ${DOC_SOURCES:+--document-sources $DOC_SOURCES} \
+        --max-seconds "${DATA_SECONDS:-480}" --save-every 60 --device cuda 2>&1 \
         | tr '\r' '\n' | grep -v "it/s\]$" | tail -20 | tee "$OUT/data_log.txt"
       mkdir -p "$OUT/data" && cp "$DATA"/manifest.json "$DATA"/shard-*.npz "$DATA"/jobs.json.gz "$OUT/data/" ;;
     train)
       # a plan of $STEPS steps cut after $SECONDS_BUDGET (continued by RESUME=1), or a plan fitted to the budget
       plan="--max-seconds ${SECONDS_BUDGET:-420}"
       [ -n "${STEPS:-}" ] && plan="--steps $STEPS --stop-after ${SECONDS_BUDGET:-420}"
-      plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16}${COMPILE_LOSS:+ --compile-loss}"
+      plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16} --max-len ${MAXLEN:-1024}${COMPILE_LOSS:+ --compile-loss}"
       start=""  # where each kind starts, {kind} in the folder: RESUME continues a plan, INIT starts a new one
       if [ "${RESUME:-}" = 1 ]; then start="--resume $CK/smollm2-135m-{kind}"
       elif [ -n "${RESUME:-}" ]; then start="--resume $RESUME"  # e.g. /tmp/ck-{kind}: the last call's

@@ -153,3 +153,117 @@ def test_a_save_cut_off_before_its_manifest_leaves_the_last_save(tmp_path, monke
     manifest.write_text(manifest.read_text().replace('"sequences": 6', '"sequences": 5'))
     with pytest.raises(data_mod.CheckpointError, match="shards hold 6"):
         TokenData.load(tmp_path)
+
+
+# -- the documents source: long inputs that answers copy from ----------------------------------------
+@pytest.fixture(scope="module")
+def real_docs():
+    return data_mod.real_documents()
+
+
+def test_real_documents_are_long_prose_found_on_the_machine(real_docs):
+    assert len(real_docs) >= 50 and all(len(d.split()) >= 150 for d in real_docs)
+    assert real_docs == data_mod.real_documents()  # a fixed order
+    assert not any("[![" in d or "HumanEval" in d for d in real_docs)
+
+
+PASSAGES = [f"Passage {i}: the river {w} runs past the old mill and the bakery, where people meet on market days "
+            f"to trade grain, talk about the weather and watch the boats go by. In winter {w} freezes over, the "
+            f"children skate from the bridge to the church, and the miller sells hot cider at {i + 2} pennies a cup."
+            for i, w in enumerate(["Alder", "Birch", "Cedar", "Dogwood", "Elm", "Fir"])]
+TRANSLATIONS = [("French", f"Le marché {i} ouvre le matin et les gens achètent du pain frais pour la journée.")
+                for i in range(40)]
+
+
+INSTRUCTION = re.compile("|".join(re.escape(f.strip()).replace(r"\{k\}", r"\d") for t in
+                                  data_mod._SUMMARY_TASKS + data_mod._EXTRACT_TASKS for f in t.split("{d}") if f.strip()))
+TRANSLATE = r"^Translate French to English: |^Translate the following French text|French text into English\.$|^English translation of: "
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), with_passages=st.booleans(), with_translations=st.booleans())
+def test_document_prompts_are_seeded_distinct_and_copy_their_text(real_docs, seed, with_passages, with_translations):
+    passages = PASSAGES if with_passages else []
+    translations = TRANSLATIONS * 30 if with_translations else []  # 1,200: weight 0.2
+    got = data_mod.document_prompts(60, seed=seed, docs=real_docs, passages=passages, translations=translations)
+    assert got == data_mod.document_prompts(60, seed=seed, docs=real_docs, passages=passages, translations=translations)
+    assert len(got) == 60 and len(set(got)) == 60
+    flat_docs = [" ".join(d.split()) for d in real_docs + passages]
+    longest_task = max(map(len, data_mod._SUMMARY_TASKS + data_mod._EXTRACT_TASKS + data_mod._QUESTIONS)) + 30
+    for p in got:
+        if re.search(TRANSLATE, p):
+            assert with_translations and any(t in p for _, t in TRANSLATIONS)
+            continue
+        assert len(p) <= data_mod.MAX_DOCUMENT_CHARS + longest_task
+        # every paragraph of the input is a paragraph (or a sentence-cut start) of a document or a passage
+        body = [q for q in INSTRUCTION.sub("", p).split("\n\n") if len(q.split()) > 12]
+        assert body
+        for para in body:
+            para = re.sub(r"^(Document \[\d\]: |TL;DR:|Summarize: )", "", para.strip()).strip()
+            para = para.rsplit("\n", 1)[0] if re.search(r"\?$", para) else para  # a question's last line
+            # its first line's first words (a paragraph cut at a sentence end has its spacing collapsed)
+            first = " ".join(para.split("\n")[0].split()[:10])
+            assert any(first in d for d in flat_docs), first
+    kinds = {("translate" if re.search(TRANSLATE, p) else "question" if p.rstrip().endswith("?") else "long")
+             for p in got}
+    assert "long" in kinds and "question" in kinds
+    assert "translate" in kinds or not with_translations
+
+
+def test_document_prompts_need_some_text():
+    with pytest.raises(ConfigError, match="no text"):
+        data_mod.document_prompts(3, docs=[], passages=[])
+    assert data_mod.document_prompts(0, docs=[], passages=[]) == []
+
+
+def grounded_build(tokenizer, folder):
+    """An earlier build's ``grounded`` sequences, written with the real chat template."""
+    def chat(msg):
+        return tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    passage = PASSAGES[0]
+    looping = "the same words again " * 30
+    cases = [  # (task, answer)
+        (f"Translate the following text into French.\n\n{passage}", TRANSLATIONS[0][1] + " Il fait beau."),
+        (f"Translate the following text into German.\n\n{PASSAGES[1]}", "The river runs past the mill, as the passage said."),
+        (f"Translate the following text into Japanese.\n\n{PASSAGES[2]}", "川は古い水車小屋を通り過ぎる。"),
+        (f"Summarize the following text in 2 sentences.\n\n{looping}", "It repeats."),
+        (f"Read the passage and answer the question.\n\nPassage: {PASSAGES[3]}\n\nQuestion: What does the passage "
+         f"say about rivers?", "It says the river runs past the mill."),
+    ]
+    seqs, lens = [], []
+    for task, answer in cases:
+        ids = chat(task)
+        seqs.append(ids + tokenizer(answer, add_special_tokens=False)["input_ids"])
+        lens.append(len(ids))
+    seqs.append(seqs[0])  # a sampled twin: not read again
+    lens.append(lens[0])
+    TokenData.from_lists(seqs, lens, [3] * 5 + [3], [0.0] * 5 + [0.8]).save(folder)
+
+
+def test_self_written_texts_reads_passages_and_foreign_translations_back(smollm2, tmp_path):
+    grounded_build(smollm2.tokenizer, tmp_path)
+    passages, translations = data_mod.self_written_texts([tmp_path], smollm2.tokenizer)
+    assert [p.strip() for p in passages] == [PASSAGES[i].strip() for i in (0, 1, 2, 3)]  # the looping one dropped
+    # French kept (its first sentences); the "German" answer in English and the unspaced Japanese dropped
+    assert translations == [("French", TRANSLATIONS[0][1] + " Il fait beau.")]
+
+
+def test_a_build_with_documents_uses_an_earlier_builds_text(smollm2, tmp_path):
+    grounded_build(smollm2.tokenizer, tmp_path / "earlier")
+    small = {**SMALL, "num_magpie": 0, "num_code": 0, "num_humaneval": 0, "num_math": 0, "sampled_fraction": 0.0,
+             "max_new_tokens": 4, "kv_cache_bytes": 256 << 20}
+    data = build(smollm2, tmp_path / "new", num_documents=3, document_sources=[tmp_path / "earlier"], **small)
+    assert data.meta["complete"] and data.meta["num_documents"] == 3 and data.source.tolist() == [5, 5, 5]
+    assert data.meta["document_sources"] == [str(tmp_path / "earlier")]
+    with pytest.raises(ConfigError, match="no training data"):
+        build(smollm2, tmp_path / "other", num_documents=3, document_sources=[tmp_path / "missing"], **small)
+
+
+def test_a_build_from_before_the_documents_source_still_resumes(tmp_path):
+    settings_now = {"seed": 0, "num_documents": 0, "document_sources": []}
+    jobs = [{"prompt": "p", "source": 0, "temperature": 0.0, "seed": None}]
+    data_mod._save_jobs(tmp_path, {"seed": 0}, jobs)  # its settings lack the keys added since
+    assert data_mod._load_jobs(tmp_path, settings_now) == jobs
+    with pytest.raises(ConfigError, match="num_documents"):
+        data_mod._load_jobs(tmp_path, {**settings_now, "num_documents": 5})

@@ -926,6 +926,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=None)
     p.add_argument("--seqs-per-step", type=int, default=16)
     p.add_argument("--anchors", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="tokens of each sequence trained on (its first ones; long-document prompts need more)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--val-fraction", type=float, default=0.01)
     p.add_argument("--val-every", type=int, default=250)
@@ -961,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
         tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
                          tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"],
                          max_seconds=args.max_seconds, val_every=args.val_every, seed=args.seed,
-                         compile_loss=args.compile_loss)
+                         compile_loss=args.compile_loss, max_len=args.max_len)
         start = folder(args.resume or args.init, kind)
         if start is not None:
             net = BlockDrafterNet.load(start)
