@@ -5,17 +5,23 @@ imports without ``nvidia-cutlass-dsl``; the kernel's decomposition (row blocks, 
 causal bounds, page-tail zeroing, LSE merge) emulated in PyTorch
 (:func:`~specdec.attention.mla_pack.emulate_blocks`) equals ``torch_ref`` over random batches
 (hypothesis), with an FP8 E4M3 cache too, and under Helix equals the per-rank reference
-(``shard_attention``, what ``helix_ref`` runs on each rank).
+(``shard_attention``, what ``helix_ref`` runs on each rank). The host side of a call:
+``merge_splits`` equals ``merge_partials`` bit for bit (special values included) in fewer ops;
+``launch_args`` reads every value from that call's tensors (nothing kept between calls) and
+refuses misaligned buffers.
 
 CPU with ``nvidia-cutlass-dsl`` installed (skipped otherwise): the kernel compiles for
 ``sm_90a`` without a GPU (bf16 and FP8 caches, with and without Helix page tables), with wgmma /
 TMA / setmaxnreg (FP8: the e4m3 conversions) in its PTX, no spills reported by ptxas and shared
 memory within an sm90 CTA's; the register-layout facts it relies on hold
-(:func:`register_layout_problems`).
+(:func:`register_layout_problems`). The backend's pointer entry compiles to the PTX the previous
+path's ``from_dlpack`` tensors compiled to; a ``PreparedLaunch`` marshals once and writes each
+call's values in place, and its slots marshal to the same bytes as the DSL's own argument objects.
 
 GPU (``-m gpu``, an sm90 GPU and the package): the kernel against ``torch_ref`` over the issue's
 grid (H 16/48/64/96/128 x q_len 1/2/4/8 x pages 16/64/128, bf16, with LSE, forced splits), the
-same for an FP8 cache, and Helix shards against the per-rank reference. This class is the gate
+same for an FP8 cache, and Helix shards against the per-rank reference; the prepared launch bit
+for bit against the previous calling path (``bench/cute_host.PreviousPath``). This class is the gate
 for ``cute_mla.VALIDATED_SM`` (and ``FP8_VALIDATED_SM``, ``HELIX_VALIDATED_SM``)::
 
     PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
@@ -37,7 +43,7 @@ from hypothesis import strategies as st
 
 from specdec.attention.backends import cute_mla
 from specdec.attention.backends.base import PhaseBatch
-from specdec.attention.backends.cute_mla import CuteMLABackend, kernel_config
+from specdec.attention.backends.cute_mla import CuteMLABackend, kernel_config, merge_splits
 from specdec.attention.backends.torch_ref import TorchRefBackend
 from specdec.attention.mla_pack import (block_keys, choose_splits, emulate_blocks, merge_partials, owned_keys,
                                         row_blocks, split_chunk)
@@ -45,6 +51,7 @@ from specdec.attention.shapes import AttnShape
 from specdec.parallel.helix import HelixLayout, HelixShard, combine_partials, plan_shard, shard_attention
 
 HAS_CUTLASS = cute_mla.IMPORT_ERROR is None
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")  # bench/cute_host.py
 HAS_CUDA = torch.cuda.is_available()
 needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason=f"nvidia-cutlass-dsl not importable: {cute_mla.IMPORT_ERROR}")
 
@@ -471,6 +478,198 @@ def test_without_the_tail_zeroing_nan_leaks():
     assert torch.isnan(s @ tile[:, :32]).all()  # 0 * NaN in P V
 
 
+# --------------------------------------------------------------------------- the host side of a call, on the CPU
+
+# MLADecodeKernel.launch's arguments, in order (_cute_mla_kernel.LAUNCH_ARGS, checked below where the DSL is installed)
+LAUNCH_NAMES = ("q", "kv", "o_part", "lse_part", "page_table", "kv_lens", "q_start", "q_lens", "num_rows", "num_slots",
+                "num_parts", "num_seqs", "max_pages", "page_stride", "scale_log2", "v_scale", "num_heads",
+                "num_splits", "row_blocks", "cp", "rank", "stream")
+
+
+def float_bits(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``t`` is NaN, and the bits of every other value (signed zeros told apart)."""
+    nan = torch.isnan(t)
+    return nan, t.masked_fill(nan, 0).view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    (got_nan, got_bits), (want_nan, want_bits) = float_bits(got), float_bits(want)
+    assert torch.equal(got_nan, want_nan) and torch.equal(got_bits, want_bits)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 12), splits=st.integers(1, 9), dv=st.sampled_from([1, 5, 16]),
+       empty=st.floats(0.0, 0.6), bad=st.floats(0.0, 0.2), bf16=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_merge_splits_equals_merge_partials_bit_for_bit(rows, splits, dv, empty, bad, bf16, seed):
+    """Splits that saw no key (``-inf``), rows none of whose splits did, non-finite partials and LSEs
+    (NaN, +-inf: what a NaN or infinite input makes), signed zeros: every value, LSE included, has the
+    same bits as ``merge_partials``'s (NaN where it has NaN); without the LSE the output is the same."""
+    g = torch.Generator().manual_seed(seed)
+    lse2 = torch.randn(rows, splits, generator=g, dtype=torch.float64).mul(30).float()
+    o = torch.randn(rows, splits, dv, generator=g)
+    lse2[torch.rand(rows, splits, generator=g) < empty] = -math.inf
+    lse2[torch.rand(rows, generator=g) < empty / 3] = -math.inf  # whole rows
+    specials = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0])
+    pick = torch.randint(0, len(specials), (rows, splits), generator=g)
+    lse2 = torch.where(torch.rand(rows, splits, generator=g) < bad / 4, specials[pick], lse2)
+    pick = torch.randint(0, len(specials), (rows, splits, dv), generator=g)
+    o = torch.where(torch.rand(rows, splits, dv, generator=g) < bad, specials[pick], o)
+    out_dtype = torch.bfloat16 if bf16 else torch.float32
+    want, want_lse = merge_partials(o.clone(), lse2.clone(), out_dtype)
+    got, got_lse = merge_splits(o.clone(), lse2.clone(), out_dtype)
+    assert_same_bits(got, want)
+    assert_same_bits(got_lse, want_lse)
+    only, none = merge_splits(o.clone(), lse2.clone(), out_dtype, with_lse=False)
+    assert_same_bits(only, want)
+    assert none is None
+
+
+def test_merge_splits_runs_fewer_ops():
+    """The torch ops each merge dispatches (views and allocations left out): 10 for the output, 13 with
+    the LSE, where merge_partials runs 20 (each one a kernel launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket is not torch.ops.aten.empty:
+                self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    o, lse2 = torch.randn(8, 3, 16), torch.randn(8, 3)
+    counts = []
+    for merge, kw in ((merge_partials, {}), (merge_splits, {}), (merge_splits, dict(with_lse=False))):
+        o_in, lse_in = o.clone(), lse2.clone()
+        with Ops() as ops:
+            merge(o_in, lse_in, torch.bfloat16, **kw)
+        counts.append(len(ops.names))
+    assert counts == [20, 13, 10], counts
+
+
+def launch_buffers(plan, h, splits, kv_dtype=torch.bfloat16, slots=300):
+    """What ``attend`` hands ``_launch``: the packed queries, the cache's rows, the split partials."""
+    n_rows = plan.num_tokens * h
+    return (torch.empty(n_rows, 576, dtype=torch.bfloat16), torch.empty(slots, 576, dtype=kv_dtype),
+            torch.empty(n_rows * splits, 512), torch.empty(n_rows * splits))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(q_lens=st.lists(st.integers(1, 8), min_size=1, max_size=5), extra=st.lists(st.integers(0, 300), min_size=5,
+       max_size=5), tpb=st.sampled_from([16, 32, 64, 128]), h=st.integers(1, 128), splits=st.integers(1, 9),
+       cp=st.sampled_from([1, 2, 4]), fp8=st.booleans(), pad=st.integers(0, 5), data=st.data())
+def test_launch_args_are_read_from_each_calls_tensors(q_lens, extra, tpb, h, splits, cp, fp8, pad, data):
+    """Every value ``_launch`` passes is read from that call's tensors and plan: addresses, row counts,
+    the page table's width and row stride (a padded table too), Helix rank; a second call with other
+    buffers and another plan reads those (nothing is kept from the first)."""
+    kv_lens = [q + e for q, e in zip(q_lens, extra)]
+    batch, cache = make_pool(q_lens, kv_lens, tpb=tpb, d=4)
+    rank = data.draw(st.integers(0, cp - 1))
+    if cp > 1:
+        batch, _ = shard_pool(batch, cache, HelixLayout(cp, tpb), rank)
+    plan = CuteMLABackend().plan(batch)
+    if pad:  # the table as a view of a wider one: rows pad + max_pages apart
+        wide = torch.zeros(plan.num_seqs, plan.page_table.shape[1] + pad, dtype=torch.int32)
+        wide[:, :plan.page_table.shape[1]] = plan.page_table
+        plan = dataclasses.replace(plan, page_table=wide[:, :plan.page_table.shape[1]])
+    calls = []
+    for p in (plan, CuteMLABackend().plan(make_pool([1], [5], tpb=tpb, d=4)[0])):
+        bufs = launch_buffers(p, h, splits, FP8 if fp8 else torch.bfloat16)
+        grid_m = row_blocks(p.max_q_len, h)
+        args = dict(zip(LAUNCH_NAMES, cute_mla.launch_args(p, *bufs, 0.625, 0.25, h, splits, grid_m, 77), strict=True))
+        q2, kv2, o_part, lse_part = bufs
+        tensors = dict(q=q2, kv=kv2, o_part=o_part, lse_part=lse_part, page_table=p.page_table, kv_lens=p.kv_lens,
+                       q_start=p.q_start, q_lens=p.q_lens)
+        assert {k: args[k] for k in tensors} == {k: t.data_ptr() for k, t in tensors.items()}
+        rows = p.num_tokens * h
+        assert (args["num_rows"], args["num_slots"], args["num_parts"]) == (rows, 300, rows * splits)
+        assert (args["num_seqs"], args["max_pages"], args["page_stride"]) == (
+            p.num_seqs, p.page_table.shape[1], p.page_table.stride(0))
+        assert (args["scale_log2"], args["v_scale"], args["num_heads"], args["num_splits"], args["row_blocks"]) == (
+            0.625, 0.25, h, splits, grid_m)
+        assert (args["cp"], args["rank"], args["stream"]) == ((cp, rank) if p is plan and cp > 1 else (1, 0)) + (77,)
+        calls.append(args)
+    assert all(calls[0][k] != calls[1][k] for k in ("q", "kv", "o_part", "lse_part", "page_table", "kv_lens"))
+
+
+@pytest.mark.parametrize("which", ["q2", "kv2", "o_part", "lse_part", "kv_lens", "page_table"])
+def test_launch_args_refuse_misaligned_buffers(which):
+    """A buffer that starts off the kernel's alignment (16 bytes; the page table 4) is refused, as its
+    ``from_dlpack`` conversion did; the page table may start at any int32."""
+    plan = CuteMLABackend().plan(make_pool([2, 1], [70, 5], tpb=64, d=4)[0])
+    bufs = dict(zip(("q2", "kv2", "o_part", "lse_part"), launch_buffers(plan, 16, 2)))
+    shifted = {}
+    for name, t in [*bufs.items(), ("kv_lens", plan.kv_lens), ("page_table", plan.page_table)]:
+        room = torch.empty(t.numel() + 1, dtype=t.dtype)
+        shifted[name] = room[1:].view(t.shape) if name == which else t
+    plan = dataclasses.replace(plan, kv_lens=shifted["kv_lens"], page_table=shifted["page_table"])
+    call = lambda: cute_mla.launch_args(plan, *(shifted[k] for k in bufs), 1.0, 1.0, 16, 2, 1, 0)  # noqa: E731
+    if which == "page_table":
+        call()
+    else:
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            call()
+
+
+class RecordingCompiled:
+    """Stands in for a compiled ``MLADecodeKernel.launch`` on a machine without a driver: marshals
+    argument slots as the DSL does (each one's ``__c_pointers__``), and each launch records the
+    values found behind those pointers."""
+
+    def __init__(self):
+        self.marshalled, self.launches = 0, []
+
+    def generate_execution_args(self, *args):
+        self.marshalled += 1
+        return [p for a in args for p in a.__c_pointers__()], []
+
+    def to(self):
+        return self
+
+    def run_compiled_program(self, exe_args):
+        from specdec.attention.backends._cute_mla_kernel import LAUNCH_ARGS
+
+        self.launches.append(tuple(ctype.from_address(p).value for (_, ctype), p in zip(LAUNCH_ARGS, exe_args,
+                                                                                         strict=True)))
+
+
+def some_launch_args(i: int) -> tuple:
+    """Distinct values of every argument (fp32-exact floats, non-zero addresses)."""
+    return (*(16 * (1000 * i + k + 1) for k in range(8)), *(1000 * i + k for k in range(5)), 2**40 + i, 0.5 + i,
+            0.25 * i, *(7 * i + k for k in range(5)), 4096 + i)
+
+
+@needs_cutlass
+def test_prepared_launch_marshals_once_and_writes_each_call_in_place():
+    """The argument slots are marshalled on the first launch only; every launch finds that call's
+    values behind them, also with threads launching at once (the lock keeps each launch whole)."""
+    import threading
+
+    from specdec.attention.backends._cute_mla_kernel import LAUNCH_ARGS
+
+    assert tuple(name for name, _ in LAUNCH_ARGS) == LAUNCH_NAMES
+    compiled = RecordingCompiled()
+    launch = cute_mla.PreparedLaunch(compiled)
+    for i in range(3):
+        launch(some_launch_args(i))
+    assert compiled.marshalled == 1 and compiled.launches == [some_launch_args(i) for i in range(3)]
+
+    def worker(t):
+        for i in range(t * 100, t * 100 + 50):
+            launch(some_launch_args(i))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = {some_launch_args(i) for t in range(1, 5) for i in range(t * 100, t * 100 + 50)}
+    assert compiled.marshalled == 1 and set(compiled.launches[3:]) == want and len(compiled.launches) == 203
+
+
 # --------------------------------------------------------------------------- compiles without a GPU
 
 
@@ -534,9 +733,9 @@ def test_kernel_compiles_for_sm90a_without_a_gpu(tpb, fp8, helix, tmp_path):
 
 @needs_cutlass
 def test_the_backend_compiles_against_real_tensors_and_stops_only_at_the_launch():
-    """``attend`` on CPU tensors (bf16 cache, FP8 cache, FP8 under a Helix plan): the arguments are
-    converted and one kernel compiled for each (the path a GPU call takes); only the launch fails, for
-    want of a CUDA driver."""
+    """``attend`` on CPU tensors (bf16 cache, FP8 cache, FP8 under a Helix plan): one kernel compiled
+    for each and the arguments prepared (the path a GPU call takes); only loading the module for the
+    launch fails, for want of a CUDA driver."""
     code = (
         "import torch\n"
         "from specdec.attention.backends.cute_mla import CuteMLABackend\n"
@@ -559,6 +758,86 @@ def test_the_backend_compiles_against_real_tensors_and_stops_only_at_the_launch(
     assert done.stdout.count("DSLCudaRuntimeError True") == 3, done.stdout[-3000:]
     assert ("[(512, 64, 64, 'bfloat16', False), (512, 64, 64, 'float8_e4m3fn', False), "
             "(512, 64, 64, 'float8_e4m3fn', True)]") in done.stdout, done.stdout[-3000:]
+
+
+@needs_cutlass
+def test_prepared_arguments_marshal_as_the_dsls_own():
+    """The compiled entry, given the DSL's own argument objects (``make_ptr`` pointers, ``Int32`` /
+    ``Int64`` / ``Float32`` scalars, a ``CUstream``), marshals the same number of arguments with the
+    same bytes behind each as a PreparedLaunch's slots holding the same values: the host function
+    reads what the ordinary call would have passed."""
+    code = (
+        "import ctypes\n"
+        "import cutlass, cutlass.cute as cute\n"
+        "import cuda.bindings.driver as cuda\n"
+        "from cutlass.cute.runtime import make_ptr\n"
+        "from specdec.attention.backends import _cute_mla_kernel as K\n"
+        "from specdec.attention.backends.cute_mla import PreparedLaunch, kernel_config\n"
+        "compiled, _ = K.compile_launch(512, 64, 16, *kernel_config(16, fp8=True), helix=True)\n"
+        f"values = {some_launch_args(3)!r}\n"
+        "gmem, i32 = cute.AddressSpace.gmem, cutlass.Int32\n"
+        "types = [cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Float32, cutlass.Float32] + [cutlass.Int32] * 4\n"
+        "own = [make_ptr(t, v, gmem, assumed_align=4 if i == 4 else 16)\n"
+        "       for i, (t, v) in enumerate(zip(types, values))]\n"
+        "own += [i32(v) for v in values[8:13]] + [cutlass.Int64(values[13])]\n"
+        "own += [cutlass.Float32(v) for v in values[14:16]] + [i32(v) for v in values[16:21]]\n"
+        "own += [cuda.CUstream(values[21])]\n"
+        "theirs, keep = compiled.generate_execution_args(*own)\n"
+        "launch = PreparedLaunch(compiled)\n"
+        "launch.write(values)\n"
+        "ours, _ = compiled.generate_execution_args(*launch.slots)\n"
+        "addr = lambda p: p.value if isinstance(p, ctypes.c_void_p) else int(p)\n"
+        "size = [ctypes.sizeof(t) for _, t in K.LAUNCH_ARGS]\n"
+        "read = lambda ptrs: [ctypes.string_at(addr(p), n) for p, n in zip(ptrs, size, strict=True)]\n"
+        "print(len(theirs), len(ours), read(theirs) == read(ours))\n"
+    )
+    done = run_for_sm90a(code)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["22", "22", "True"], done.stdout[-3000:]
+
+
+@needs_cutlass
+def test_the_pointer_entry_compiles_to_the_previous_paths_kernel(tmp_path):
+    """The previous path's conversions (``bench/cute_host.previous_args``: ``from_dlpack`` of every
+    tensor, typed as CUDA tensors are: global memory) compiled through the tensor entry, and the
+    backend's pointer entry: the same PTX, kernel names aside. So the kernel the backend launches is
+    the one it launched before, instruction for instruction."""
+    code = (
+        "import ctypes, re, sys, torch\n"
+        f"sys.path.insert(0, {BENCH!r})\n"
+        "import cutlass.cute as cute\n"
+        "from cute_host import previous_args\n"
+        "from specdec.attention.backends import _cute_mla_kernel as K\n"
+        "from specdec.attention.backends.cute_mla import CuteMLABackend, kernel_config\n"
+        "from specdec.attention.backends.base import PhaseBatch\n"
+        "from specdec.parallel.helix import HelixLayout, HelixShard\n"
+        "class AsCuda:  # a CPU tensor exported as if on CUDA device 0 (a conversion reads metadata only)\n"
+        "    def __init__(self, t): self.t = t\n"
+        "    def __dlpack_device__(self): return (2, 0)\n"
+        "    def __dlpack__(self, stream=None, **kw):\n"
+        "        capsule = torch.utils.dlpack.to_dlpack(self.t)\n"
+        "        get = ctypes.pythonapi.PyCapsule_GetPointer\n"
+        "        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]\n"
+        "        ctypes.c_int32.from_address(get(capsule, b'dltensor') + 8).value = 2  # device_type = kDLCUDA\n"
+        "        return capsule\n"
+        "name = lambda ptx: re.sub(r'\\b\\w*MLADecodeKernel\\w*', 'K', ptx)\n"
+        "for tpb, fp8, helix in ((64, False, False), (16, True, True)):\n"
+        "    shard = HelixShard(HelixLayout(2, tpb), 1) if helix else None\n"
+        "    phase = PhaseBatch((2, 1), (70, 5), ((3, 1, 0), (2,)), tpb, torch.device('cpu'), shard)\n"
+        "    plan = CuteMLABackend().plan(phase)\n"
+        "    kv = torch.zeros(256, 576, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)\n"
+        "    bufs = (torch.zeros(48, 576, dtype=torch.bfloat16), kv, torch.zeros(96, 512), torch.zeros(96))\n"
+        "    args = previous_args(plan, *bufs, 1.0, 1.0, 16, 2, 1, wrap=AsCuda)\n"
+        "    cfg = kernel_config(tpb, fp8=fp8)\n"
+        "    before = cute.compile(K.MLADecodeKernel(512, 64, tpb, *cfg, helix=helix), *args)\n"
+        "    now, _ = K.compile_launch(512, 64, tpb, *cfg, helix=helix)\n"
+        "    a, b = name(before.__ptx__), name(now.__ptx__)\n"
+        "    print(tpb, fp8, helix, args[0].memspace, len(a) > 50000, a == b)\n"
+    )
+    done = run_for_sm90a(code, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["64 False False gmem True True", "16 True True gmem True True"], \
+        done.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------- GPU
@@ -660,6 +939,34 @@ class TestGPU:
         gpu_case(128, (1,), (32768,), tpb=64, check_lse=False)
         kv = torch.randint(8, 3000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
         gpu_case(16, (4,) * 64, tuple(kv), tpb=32, check_lse=False)
+
+    @pytest.mark.parametrize(("tpb", "fp8", "cp", "splits"), [
+        (64, False, 1, None), (16, False, 1, 7), (32, True, 1, 3), (128, True, 1, None), (64, False, 2, 2),
+        (16, True, 4, None)])
+    def test_the_prepared_launch_equals_the_previous_path(self, tpb, fp8, cp, splits):
+        """Outputs and LSEs bit for bit those of the calling path the backend had before
+        (``bench/cute_host.PreviousPath``: the tensor entry, ``from_dlpack`` conversions, the DSL's
+        marshalling, ``merge_partials``): bf16 and FP8 caches, forced splits, Helix shards."""
+        sys.path.insert(0, BENCH)
+        from cute_host import PreviousPath
+
+        batch, cache = make_pool((2, 1, 4), (1000, 333, 2055), tpb=tpb, d=576, seed=tpb + cp)
+        kv_scale = 1.0
+        if fp8:
+            cache, kv_scale = to_fp8(cache)
+        cache = cache.to(FP8 if fp8 else torch.bfloat16)
+        if cp > 1:
+            batch, cache = shard_pool(batch, cache, HelixLayout(cp, tpb), cp - 1)
+        batch, cache = dataclasses.replace(batch, device=torch.device("cuda")), cache.cuda()
+        q = torch.randn(7, 96, 576, generator=torch.Generator().manual_seed(tpb)).to("cuda", torch.bfloat16)
+        backend = CuteMLABackend(num_splits=splits)
+        plan = backend.plan(batch)
+        kw = dict(kv_scale=kv_scale, out_dtype=torch.float32 if cp > 1 else None)
+        now = backend.attend(plan, q, cache, (128 + 64) ** -0.5, 512, return_lse=True, **kw)
+        before = PreviousPath(backend).attend(plan, q, cache, (128 + 64) ** -0.5, 512, return_lse=True, **kw)
+        for got, want in zip(now, before, strict=True):
+            assert_same_bits(got.cpu(), want.cpu())
+        assert_same_bits(backend.attend(plan, q, cache, (128 + 64) ** -0.5, 512, **kw).cpu(), now[0].cpu())
 
     # ---- FP8 E4M3 cache: the gate for cute_mla.FP8_VALIDATED_SM
 

@@ -7,6 +7,8 @@ it lazily and refuses every shape, with the reason, when it cannot.
 
 from __future__ import annotations
 
+import ctypes
+
 import cutlass  # first: the missing package is what an ImportError should name
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -23,6 +25,20 @@ CHUNK = 8  # values a converter thread moves at once: 8 bytes of e4m3 in, 16 byt
 REGS_PRODUCER = 40
 REGS_CONSUMER = 232
 ZERO_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is __syncthreads)
+
+#: The runtime arguments of :meth:`MLADecodeKernel.launch`, in order, each with the C type the compiled host
+#: function reads it as (through one pointer per argument): device addresses, sizes, scales, the stream handle.
+LAUNCH_ARGS: tuple[tuple[str, type], ...] = (
+    ("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("o_part", ctypes.c_void_p), ("lse_part", ctypes.c_void_p),
+    ("page_table", ctypes.c_void_p), ("kv_lens", ctypes.c_void_p), ("q_start", ctypes.c_void_p),
+    ("q_lens", ctypes.c_void_p),
+    ("num_rows", ctypes.c_int32), ("num_slots", ctypes.c_int32), ("num_parts", ctypes.c_int32),
+    ("num_seqs", ctypes.c_int32), ("max_pages", ctypes.c_int32), ("page_stride", ctypes.c_int64),
+    ("scale_log2", ctypes.c_float), ("v_scale", ctypes.c_float),
+    ("num_heads", ctypes.c_int32), ("num_splits", ctypes.c_int32), ("row_blocks", ctypes.c_int32),
+    ("cp", ctypes.c_int32), ("rank", ctypes.c_int32),
+    ("stream", ctypes.c_void_p),
+)
 
 
 class MLADecodeKernel:
@@ -55,6 +71,52 @@ class MLADecodeKernel:
                              f"evenly over {CONVERTERS} converter threads")
 
     # ------------------------------------------------------------------ host side
+
+    @cute.jit
+    def launch(
+        self,
+        q: cute.Pointer,  # [num_rows, dim] bf16
+        kv: cute.Pointer,  # [num_slots, dim] bf16 or float8_e4m3fn
+        o_part: cute.Pointer,  # [num_parts, latent] fp32
+        lse_part: cute.Pointer,  # [num_parts] fp32
+        page_table: cute.Pointer,  # [num_seqs, max_pages] int32, rows page_stride apart
+        kv_lens: cute.Pointer,  # [num_seqs] int32
+        q_start: cute.Pointer,  # [num_seqs] int32
+        q_lens: cute.Pointer,  # [num_seqs] int32
+        num_rows: cutlass.Int32,
+        num_slots: cutlass.Int32,
+        num_parts: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        max_pages: cutlass.Int32,
+        page_stride: cutlass.Int64,
+        scale_log2: cutlass.Float32,
+        v_scale: cutlass.Float32,
+        num_heads: cutlass.Int32,
+        num_splits: cutlass.Int32,
+        row_blocks: cutlass.Int32,
+        cp: cutlass.Int32,
+        rank: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """:meth:`__call__` on tensors built from device addresses and sizes (``LAUNCH_ARGS``): the entry
+        the backend compiles. Its arguments are plain scalars, so a call marshals no tensor objects; the
+        tensors it builds have the types ``from_dlpack`` gives contiguous CUDA tensors (global memory,
+        dynamic row counts, static row widths, a dynamic 64-bit page-table stride), so the kernel is the
+        one ``__call__`` compiles for them (``tests/test_cute_mla.py`` compares the PTX)."""
+
+        def rows(ptr, n, width):  # row-major [n, width], n dynamic
+            return cute.make_tensor(ptr, cute.make_layout((n, width), stride=(width, 1)))
+
+        def per_seq(ptr):
+            return cute.make_tensor(ptr, cute.make_layout((num_seqs,), stride=(1,)))
+
+        self.__call__(
+            rows(q, num_rows, self.dim), rows(kv, num_slots, self.dim), rows(o_part, num_parts, self.latent),
+            cute.make_tensor(lse_part, cute.make_layout((num_parts,), stride=(1,))),
+            cute.make_tensor(page_table, cute.make_layout((num_seqs, max_pages), stride=(page_stride, 1))),
+            per_seq(kv_lens), per_seq(q_start), per_seq(q_lens),
+            scale_log2, v_scale, num_heads, num_splits, row_blocks, num_seqs, cp, rank, stream,
+        )
 
     @cute.jit
     def __call__(
@@ -436,36 +498,44 @@ class MLADecodeKernel:
                         mLsePart[(row0 + r) * num_splits + split] = lse[h]
 
 
-def compile_fake(latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int, fp8_stages: int = 0,
-                 helix: bool = False):
-    """Compile the kernel against symbolic tensors only (no GPU, no data), for ``CUTE_DSL_ARCH``.
+def compile_launch(latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int, fp8_stages: int = 0,
+                   helix: bool = False):
+    """Compile :meth:`MLADecodeKernel.launch` (the backend's entry) against placeholder pointers and sizes.
 
-    What a machine without a GPU can do: trace, lower, and assemble to a cubin
-    (``CUTE_DSL_KEEP=ptx,cubin`` and ``CUTE_DSL_DUMP_DIR`` keep them). The backend compiles
-    against the real tensors of its first call instead (same kernel, same dynamic dims).
-    ``fp8_stages > 0``: an FP8 E4M3 cache; ``helix``: rank-local page tables. Returns the
-    compiled kernel and the dynamic shared memory its launch asks for, in bytes.
+    Needs no data and no GPU (on a machine without one, ``CUTE_DSL_ARCH`` names the target): the
+    pointers' element types and alignments (16 bytes; 4 for the page table) are all the compile
+    reads. ``fp8_stages > 0``: an FP8 E4M3 cache; ``helix``: rank-local page tables. Returns the
+    compiled function and the kernel object (its ``storage`` sizes the launch's shared memory).
     """
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     k = MLADecodeKernel(latent, rope, tokens_per_block, block_n, stages, fp8_stages, helix)
-    d = latent + rope
     kv_dtype = cutlass.Float8E4M3FN if fp8_stages else cutlass.BFloat16
-    n_rows, n_slots, n_part, n_seqs, n_pages = (cute.sym_int32() for _ in range(5))
+    gmem = cute.AddressSpace.gmem
+    i32 = cutlass.Int32
     args = (
-        make_fake_compact_tensor(cutlass.BFloat16, (n_rows, d), stride_order=(1, 0), assumed_align=16),
-        make_fake_compact_tensor(kv_dtype, (n_slots, d), stride_order=(1, 0), assumed_align=16),
-        make_fake_compact_tensor(cutlass.Float32, (n_part, latent), stride_order=(1, 0), assumed_align=16),
-        make_fake_compact_tensor(cutlass.Float32, (n_part,), assumed_align=16),
-        make_fake_tensor(cutlass.Int32, (n_seqs, n_pages), (cute.sym_int32(), 1), assumed_align=4),
-        make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
-        make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
-        make_fake_compact_tensor(cutlass.Int32, (n_seqs,), assumed_align=16),
-        cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0),
+        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),  # q
+        make_ptr(kv_dtype, 0, gmem, assumed_align=16),  # kv
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=16),  # o_part
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=16),  # lse_part
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),  # page_table
+        *(make_ptr(cutlass.Int32, 0, gmem, assumed_align=16) for _ in range(3)),  # kv_lens, q_start, q_lens
+        i32(1), i32(1), i32(1), i32(1), i32(1), cutlass.Int64(1),  # num_rows ... page_stride
+        cutlass.Float32(1.0), cutlass.Float32(1.0),  # scale_log2, v_scale
+        i32(1), i32(1), i32(1), i32(1), i32(0),  # num_heads, num_splits, row_blocks, cp, rank
         make_fake_stream(),
     )
-    compiled = cute.compile(k, *args)
+    assert len(args) == len(LAUNCH_ARGS)
+    return cute.compile(k.launch, *args), k
+
+
+def compile_fake(latent: int, rope: int, tokens_per_block: int, block_n: int, stages: int, fp8_stages: int = 0,
+                 helix: bool = False):
+    """Compile the backend's entry without a GPU or data, for ``CUTE_DSL_ARCH``: what a machine
+    without a GPU can do (trace, lower, assemble to a cubin; ``CUTE_DSL_KEEP=ptx,cubin`` and
+    ``CUTE_DSL_DUMP_DIR`` keep them). Returns the compiled kernel and the dynamic shared memory its
+    launch asks for, in bytes."""
+    compiled, k = compile_launch(latent, rope, tokens_per_block, block_n, stages, fp8_stages, helix)
     return compiled, k.storage.size_in_bytes()
 
 

@@ -8,13 +8,16 @@ compile time (``tests/test_cute_mla.py``). On an H100 (2026-12-06) its GPU tests
 them: bf16, FP8 and Helix (``TestGPU``, against a float64 reference), so ``VALIDATED_SM``,
 ``FP8_VALIDATED_SM`` and ``HELIX_VALIDATED_SM`` hold 90 and :meth:`CuteMLABackend.supports` accepts
 sm90 shapes. Measured beside ``triton_mla`` (BENCHMARKS.md, "MLA: cute_mla"), it is 1.1-1.5x faster
-at batch 64 with 96-128 heads but pays a fixed 365-400 µs a call on the host at batch 1, so
-:meth:`CuteMLABackend.cost` keeps ranking it behind ``triton_mla`` (``MEASURED_FASTER`` is empty):
-the selector uses it only when named (``attention_backend="cute_mla"``). To re-run the gate::
+at batch 64 with 96-128 heads but paid a fixed 365-400 µs a call on the host at batch 1 on the
+calling path it had then; the prepared launch ("Host cost of a call") brings a call to 150-275 µs
+(``triton_mla``: 75-140), so :meth:`CuteMLABackend.cost` keeps ranking it behind ``triton_mla`` (``MEASURED_FASTER`` is
+empty): the selector uses it only when named (``attention_backend="cute_mla"``). To re-run the gate
+and the measurements::
 
     pip install nvidia-cutlass-dsl==4.8.1   # 4.8.1 is what was compiled against
     PYTHONPATH=$PWD python -m pytest -m gpu tests/test_cute_mla.py -q
     PYTHONPATH=$PWD python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out OUT/mla
+    PYTHONPATH=$PWD python bench/cute_host.py --out OUT/cute_host
 
 On a machine that cannot reach PyPI, install the wheels (Python 3.12 there: ``nvidia-cutlass-dsl``,
 ``-libs-base``, ``-libs-core``, ``-libs-cu13``; ``cuda-bindings`` is usually present) with
@@ -52,8 +55,8 @@ through page tables, V = the first 512 values of each cached row, output ``[T, H
 * A request's last tile may include the page's tail past ``kv_len`` (anything, NaN included,
   and P = 0 does not cancel NaN): the consumers zero those rows in shared memory first.
 * Split-KV: each (row block, split) writes its partial output (fp32, normalised over its
-  keys) and LSE (log2); :func:`~specdec.attention.mla_pack.merge_partials` merges them
-  exactly (torch ops; one split is the same merge). ``attend(..., return_lse=True)`` returns
+  keys) and LSE (log2); :func:`merge_splits` (``mla_pack.merge_partials`` in fewer torch
+  ops) merges them exactly (one split is the same merge). ``attend(..., return_lse=True)`` returns
   the natural-log LSE, as ``triton_mla`` does, for Helix-style combines.
 
 FP8 E4M3 cache (``fp8_stages > 0``)
@@ -98,23 +101,56 @@ then exchanges the fp32 partials and LSEs by head, combines them and gathers the
 (:func:`~specdec.parallel.helix.exchange_heads`, :func:`~specdec.parallel.helix.gather_heads`;
 ``local_heads`` keeps the rank's slice), as ``triton_mla`` and ``helix_ref`` do.
 
-Not done yet (in order): GPU validation (bf16, then FP8 and Helix); measuring the FP8
+Host cost of a call
+-------------------
+A call costs the host: its checks and split choice (plain Python), two allocations (the
+partials), writing the launch's arguments (~5 µs), the C call into the compiled host function
+(it encodes the two TMA descriptors and launches), and the merge's tensor ops (10, a few µs each
+on a GPU). Gone is the per-call conversion of every tensor, likely the bulk of the previous
+path's 365-400 µs (``bench/cute_host.py`` times both paths and the pieces on a GPU):
+
+* The backend compiles ``MLADecodeKernel.launch``, an entry that takes device addresses, sizes
+  and scales (``LAUNCH_ARGS``) and builds the tensors itself, with the types ``from_dlpack``
+  gives contiguous CUDA tensors: the kernel's PTX is the one the tensor entry compiles to
+  (compared on the CPU). It compiles against placeholder pointers (``cute.runtime.make_ptr``),
+  so no data is needed and one compile serves every shape.
+* :class:`PreparedLaunch` keeps one ctypes value per argument for its lifetime; the DSL marshals
+  slots pointing at them once (its ``JitArgument`` protocol's ``__c_pointers__``, through
+  ``generate_execution_args``), and every launch writes the values (:func:`launch_args`: read
+  from the tensors on each call, so nothing can go stale) and runs that argument list through
+  the executor (``JitCompiledFunction.to()``, ``run_compiled_program``). That replaces, per call,
+  eight ``from_dlpack`` conversions with their memref descriptors, eight ``cutlass`` scalar
+  wrappers and the DSL's marshalling of all of them: measured on a slow CPU host without a GPU,
+  ~110 µs of Python became ~5 µs. On an H100 host (2026-12-06, ``bench/cute_host.py``, H 128,
+  q_len 1, bf16) a batch-1 call with 1K context went from 458 to 156 µs (``triton_mla`` 76), with
+  outputs and LSEs bit-identical to the previous path's and the 156 GPU tests passing; argument
+  preparation is 8 µs, the launch 19 µs and the merge 83-89 µs, at one split as at 64.
+* :func:`merge_splits` merges in 10 tensor ops (13 with the LSE) where ``merge_partials`` takes
+  20, with the same results bit for bit. These ops are most of what is left; one fused merge
+  kernel (or a merge inside the kernel, which would change the rounding) is the next step.
+* Not used: TVM-FFI (``cute.compile(..., options="--enable-tvm-ffi")``), which takes torch tensors
+  directly but needs the ``apache-tvm-ffi`` package; ``bench/cute_host.py`` times the previous
+  path, this one and ``triton_mla`` on the same shapes.
+
+Not done yet (in order): one fused merge kernel (the host cost above); measuring the FP8
 converters against the consumers (if they are the bottleneck: fp16 dots as ``triton_mla``
 does, i.e. e4m3 -> f16 is one ``cvt`` per two values and Q is converted once per CTA with a
-power-of-two scale per row, or the consumers converting too); a fused merge (and bf16 output
-written by the kernel when there is one split); P shared through shared memory instead of
+power-of-two scale per row, or the consumers converting too); bf16 output written by the
+kernel when there is one split; P shared through shared memory instead of
 recomputing S in both warpgroups; a persistent grid.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
+import threading
 from typing import Any
 
 import torch
 
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
-from specdec.attention.mla_pack import (LOG2E, MLAPlan, choose_splits, merge_partials, padded_page_tables, row_blocks,
-                                       sm_count)
+from specdec.attention.mla_pack import LN2, LOG2E, MLAPlan, choose_splits, padded_page_tables, row_blocks, sm_count
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
 from specdec.parallel.helix import exchange_heads, gather_heads
 
@@ -135,7 +171,8 @@ FP8_VALIDATED_SM: tuple[int, ...] = (90,)
 HELIX_VALIDATED_SM: tuple[int, ...] = (90,)
 # (kv_dtype, max_q_len) classes where bench/mla_decode.py measured cute_mla faster than triton_mla
 # on a validated arch; elsewhere cost() ranks it behind triton_mla. Empty: faster at batch 64 with
-# 96-128 heads (1.1-1.5x), slower at batch 1 (a fixed ~370 µs a call), and a class has no batch.
+# 96-128 heads (1.1-1.5x), slower at batch 1 (a fixed ~150 µs a call on the host with the prepared
+# launch, ~370 µs before it; triton_mla ~75), and a class has no batch.
 MEASURED_FASTER: frozenset[tuple[str, int]] = frozenset()
 
 
@@ -173,8 +210,8 @@ _kernel, IMPORT_ERROR = _import_kernel()
 
 CuteMLAPlan = MLAPlan  # the plan both paged MLA backends build (specdec.attention.mla_pack)
 
-#: compiled kernels by (latent, rope, page size, cache dtype, Helix): a compile takes seconds, so every
-#: backend instance (one per engine, and the tests') shares them
+#: prepared launches (:class:`PreparedLaunch`) of the compiled kernels by (latent, rope, page size, cache
+#: dtype, Helix): a compile takes seconds, so every backend instance (one per engine, and the tests') shares them
 _COMPILED: dict[tuple, Any] = {}
 
 
@@ -331,40 +368,120 @@ class CuteMLABackend(AttentionBackend):
         grid_m = row_blocks(plan.max_q_len, num_heads, BLOCK_M)
         self._launch(plan, q.view(n_rows, head_dim), k_cache.view(-1, head_dim), o_part, lse_part,
                      scale * kv_scale * LOG2E, kv_scale, num_heads, splits, grid_m)
-        out, lse = merge_partials(o_part.view(n_rows, splits, v_head_dim), lse_part.view(n_rows, splits),
-                                  out_dtype or q.dtype)
+        out, lse = merge_splits(o_part.view(n_rows, splits, v_head_dim), lse_part.view(n_rows, splits),
+                                out_dtype or q.dtype, with_lse=return_lse)
         out = out.view(num_tokens, num_heads, v_head_dim)
         return (out, lse.view(num_tokens, num_heads)) if return_lse else out
 
     def _launch(self, plan, q2, kv2, o_part, lse_part, scale_log2, v_scale, num_heads, splits, grid_m) -> None:
-        import cuda.bindings.driver as cuda_driver
-        import cutlass
-        from cutlass.cute.runtime import from_dlpack
+        fp8, helix = kv2.dtype == torch.float8_e4m3fn, plan.shard is not None
+        key = (LATENT, ROPE, plan.tokens_per_block, str(kv2.dtype).removeprefix("torch."), helix)
+        launch = self._compiled.get(key)
+        if launch is None:  # compiled against placeholder pointers: no data needed
+            compiled, _ = _kernel.compile_launch(LATENT, ROPE, plan.tokens_per_block,
+                                                 *kernel_config(plan.tokens_per_block, fp8=fp8), helix=helix)
+            launch = self._compiled[key] = PreparedLaunch(compiled)
+        stream = torch.cuda.current_stream(q2.device).cuda_stream if q2.is_cuda else 0
+        launch(launch_args(plan, q2, kv2, o_part, lse_part, scale_log2, v_scale, num_heads, splits, grid_m, stream))
 
-        def dyn_rows(t):  # dim 0 dynamic, inner dims static: one compile serves every batch
-            if t.dtype == torch.float8_e4m3fn:  # DLPack has no float8: bytes, then the element type set
-                out = from_dlpack(t.view(torch.uint8), assumed_align=16).mark_compact_shape_dynamic(mode=0)
-                out.element_type = cutlass.Float8E4M3FN
-                return out
-            return from_dlpack(t, assumed_align=16).mark_compact_shape_dynamic(mode=0)
 
-        cp, rank = (plan.shard.cp, plan.shard.rank) if plan.shard is not None else (1, 0)
-        args = (dyn_rows(q2), dyn_rows(kv2), dyn_rows(o_part), dyn_rows(lse_part),
-                from_dlpack(plan.page_table, assumed_align=4).mark_layout_dynamic(leading_dim=1),
-                dyn_rows(plan.kv_lens), dyn_rows(plan.q_start), dyn_rows(plan.q_lens),
-                cutlass.Float32(scale_log2), cutlass.Float32(v_scale), cutlass.Int32(num_heads),
-                cutlass.Int32(splits), cutlass.Int32(grid_m), cutlass.Int32(plan.num_seqs),
-                cutlass.Int32(cp), cutlass.Int32(rank),
-                cuda_driver.CUstream(torch.cuda.current_stream(q2.device).cuda_stream if q2.is_cuda else 0))
-        fp8 = kv2.dtype == torch.float8_e4m3fn
-        key = (LATENT, ROPE, plan.tokens_per_block, str(kv2.dtype).removeprefix("torch."), plan.shard is not None)
-        if key not in self._compiled:
-            import cutlass.cute as cute
+# --------------------------------------------------------------------------- the host side of a call
 
-            k = _kernel.MLADecodeKernel(LATENT, ROPE, plan.tokens_per_block,
-                                        *kernel_config(plan.tokens_per_block, fp8=fp8), helix=plan.shard is not None)
-            self._compiled[key] = cute.compile(k, *args)
-        self._compiled[key](*args)
+
+def launch_args(plan: CuteMLAPlan, q2: torch.Tensor, kv2: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
+                scale_log2: float, v_scale: float, num_heads: int, splits: int, grid_m: int, stream: int) -> tuple:
+    """The values of ``MLADecodeKernel.launch``'s arguments for one call, in ``LAUNCH_ARGS`` order.
+
+    Read from the tensors on every call (addresses, row counts, the page table's row stride), so
+    nothing here can go stale when a buffer is reallocated, resized or replaced. ``q2``, ``kv2``,
+    ``o_part`` and the plan's tensors are contiguous (``attend`` and ``plan`` make them so); the
+    kernel assumes 16-byte-aligned rows and vectors (TMA, vector stores) and a 4-byte-aligned page
+    table, as the tensors' conversion used to check.
+    """
+    table = plan.page_table
+    data = (q2.data_ptr(), kv2.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
+    meta = (table.data_ptr(), plan.kv_lens.data_ptr(), plan.q_start.data_ptr(), plan.q_lens.data_ptr())
+    if (data[0] | data[1] | data[2] | data[3] | meta[1] | meta[2] | meta[3]) % 16 or meta[0] % 4:
+        raise ValueError("cute_mla: q, the cache, the partials and the plan's vectors must start 16-byte aligned "
+                         "(the page table 4-byte aligned)")
+    cp, rank = (plan.shard.cp, plan.shard.rank) if plan.shard is not None else (1, 0)
+    return (*data, *meta, q2.shape[0], kv2.shape[0], o_part.shape[0], plan.num_seqs, table.shape[1],
+            table.stride(0), scale_log2, v_scale, num_heads, splits, grid_m, cp, rank, stream)
+
+
+class _ArgSlot:
+    """Where the compiled host function reads one argument from: a ctypes value's address.
+
+    The runtime half of the DSL's ``JitArgument`` protocol (``__c_pointers__``: the addresses of an
+    argument's data), which the DSL's own marshalling accepts for any argument.
+    """
+
+    __slots__ = ("_pointers",)
+
+    def __init__(self, value: ctypes._SimpleCData):
+        self._pointers = [ctypes.addressof(value)]
+
+    def __c_pointers__(self) -> list[int]:
+        return self._pointers
+
+
+class PreparedLaunch:
+    """A compiled ``MLADecodeKernel.launch`` whose argument marshalling is done once.
+
+    Calling the compiled function marshals every argument on every call (the DSL's
+    ``generate_execution_args``: a ``from_dlpack`` memref descriptor per tensor, a fresh ctypes
+    object per scalar). Here every argument lives in one ctypes value for the launcher's lifetime
+    (``LAUNCH_ARGS`` gives their C types); on the first launch the DSL marshals slots pointing at
+    them (:class:`_ArgSlot`) into its argument list and the module is loaded (``compiled.to()``).
+    A launch then writes the values in place and runs that list through the executor
+    (``run_compiled_program``: pack the pointers, call the host function, check its CUDA status).
+    A lock serialises launches: the values are shared by every caller of this kernel configuration.
+    """
+
+    def __init__(self, compiled: Any):
+        self.compiled = compiled
+        self.values = [ctype() for _, ctype in _kernel.LAUNCH_ARGS]
+        self.slots = [_ArgSlot(v) for v in self.values]
+        self._lock = threading.Lock()
+        self._exe_args: list | None = None
+        self._run = None
+
+    def write(self, args: tuple) -> None:
+        """Store one call's argument values (``launch_args``) where the host function reads them."""
+        for value, arg in zip(self.values, args, strict=True):
+            value.value = arg
+
+    def __call__(self, args: tuple) -> None:
+        with self._lock:
+            self.write(args)
+            if self._run is None:  # first launch: marshal the slots, load the module (needs the driver)
+                exe_args, _ = self.compiled.generate_execution_args(*self.slots)
+                self._run, self._exe_args = self.compiled.to().run_compiled_program, exe_args
+            self._run(self._exe_args)
+
+
+def merge_splits(o_part: torch.Tensor, lse2_part: torch.Tensor, out_dtype: torch.dtype, *, with_lse: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`~specdec.attention.mla_pack.merge_partials` in fewer kernel launches, same results.
+
+    Its arguments and results, except that ``o_part`` (the caller's scratch) has its NaN and
+    infinities replaced in place and the LSE is ``None`` without ``with_lse``. Each step is one op
+    on the same operands in the same order, so every value is the same, bit for bit but for NaN
+    payloads: the maximum's ``-inf`` -> 0 is one ``nan_to_num``; the divisor (the total, or 1 where
+    it is 0) is ``clamp(min=1)``, as a total is 0 or at least 1 (the largest split adds exactly
+    ``exp2(0)``); the division writes ``out_dtype`` itself (the fp32 quotient rounded once, as
+    ``.to`` rounds it); the LSE needs no ``-inf`` fill, as a zero total comes only with an
+    all-``-inf`` row whose ``0 + log2(0)`` is already ``-inf``; no constant tensors are built.
+    10 launches for the output (13 with the LSE) where ``merge_partials`` makes 20.
+    """
+    m_safe = lse2_part.amax(dim=1, keepdim=True).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
+    w = torch.sub(lse2_part, m_safe).exp2_()  # [rows, splits]; -inf -> 0
+    total = w.sum(dim=1, keepdim=True)
+    numerator = (w.unsqueeze(-1) * o_part.nan_to_num_()).sum(dim=1)
+    out = torch.empty(numerator.shape, dtype=out_dtype, device=numerator.device)
+    torch.div(numerator, total.clamp(min=1.0), out=out)  # fp32 quotients, rounded once to out_dtype
+    lse = torch.log2(total).add_(m_safe).mul_(LN2).squeeze(1) if with_lse else None
+    return out, lse
 
 
 def kernel_config(tokens_per_block: int, fp8: bool = False) -> tuple[int, int, int]:
