@@ -137,7 +137,10 @@ def test_a_learned_drafter_fault_leaves_the_suffix_drafts(smollm2, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("drafter network failed")
 
-    monkeypatch.setattr(h.learned, "propose", broken)
+    # set in (and undone by deleting from) the instance's __dict__: setattr's undo would leave the
+    # original bound method there, a reference cycle keeping the drafter and the engine's KV pool
+    # alive until the next full garbage collection
+    monkeypatch.setitem(vars(h.learned), "propose", broken)
     with pytest.warns(RuntimeWarning, match="learned drafter"):
         out = engine.generate([prompt], params)[0]
     assert out.token_ids == want
@@ -157,7 +160,7 @@ def test_abort_and_stop_reach_both_drafters_even_if_one_raises(smollm2, monkeypa
     def broken(req_id):
         raise RuntimeError("stop failed")
 
-    monkeypatch.setattr(h.learned, "stop_request", broken)
+    monkeypatch.setitem(vars(h.learned), "stop_request", broken)  # as above
     with pytest.raises(RuntimeError, match="stop failed"):
         h.stop_request("b")
     assert "b" not in h.suffix._requests  # the suffix drafter forgot it all the same

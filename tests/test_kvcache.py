@@ -399,3 +399,29 @@ def test_num_pages_for_budget_is_the_floor(budget, bpt, tpb, margin):
         return
     pages = num_pages_for_budget(budget, bpt, tpb, margin)
     assert pages * bpt * tpb <= usable < (pages + 1) * bpt * tpb
+
+
+@settings(max_examples=30, deadline=None)
+@given(heads=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 40), st.booleans(),
+                                st.sampled_from([torch.float32, torch.bfloat16, torch.float16])), min_size=1, max_size=5),
+       pages=st.integers(1, 5), block=st.integers(1, 7))
+def test_cpu_pool_layers_are_zeroed_aligned_and_disjoint(heads, pages, block):
+    """On the CPU a call's K/V tensors are views of one buffer (so a dropped pool's memory goes back
+    to the system): each is zero, contiguous, of its layer's shape and dtype, 64-byte aligned, and
+    writing one leaves every other unchanged."""
+    specs = [LayerSpec("gqa", num_kv_heads=h, head_dim=d, dtype=dt) if has_v else
+             LayerSpec("mla", num_kv_heads=1, head_dim=d, dtype=dt, has_v=False, v_head_dim=max(1, d - 1))
+             for h, d, has_v, dt in heads]
+    pool = KVPool(specs[:1], pages, block)
+    pool.add_layers(specs[1:])
+    tensors = [t for pair in zip(pool.k, pool.v) for t in pair if t is not None]
+    assert len(tensors) == sum(2 if s.has_v else 1 for s in specs)
+    for i, s in enumerate(specs):
+        assert pool.k[i].shape == (pages * block, s.num_kv_heads, s.head_dim) and pool.k[i].dtype == s.dtype
+        assert (pool.v[i] is None) == (not s.has_v)
+    for t in tensors:
+        assert t.is_contiguous() and t.data_ptr() % 64 == 0 and not t.any()
+    for t in tensors:
+        t.fill_(1)
+        assert sum(bool(u.any()) for u in tensors) == 1
+        t.zero_()

@@ -77,6 +77,19 @@ def bytes_per_token(specs: tuple[LayerSpec, ...] | list[LayerSpec]) -> int:
     return sum(s.bytes_per_token for s in specs)
 
 
+def _zeroed_views(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Zeroed contiguous CPU tensors of ``layout`` (``(shape, dtype)`` pairs), all views of one byte
+    buffer, each starting at a multiple of 64 bytes."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 64) * 64)
+    if not layout:
+        return []
+    buf = torch.zeros(starts[-1], dtype=torch.uint8)
+    return [buf[at:at + n].view(dtype).view(shape) for (shape, dtype), at, n in zip(layout, starts, sizes)]
+
+
 class KVPool:
     """Cache tensors for a list of layers over ``num_pages`` pages.
 
@@ -105,16 +118,29 @@ class KVPool:
         return self.num_pages * self.tokens_per_block
 
     def add_layers(self, specs) -> range:
-        """Append layers (e.g. a drafter's) and return their indices in the pool."""
+        """Append layers (e.g. a drafter's) and return their indices in the pool.
+
+        On the CPU the new layers' tensors are views of one zeroed buffer. As separate tensors of a
+        few MB each (a default-sized pool), glibc would serve them from its heap once its mmap
+        threshold has risen past their size (it rises to the largest block freed, up to 32 MB), and
+        a dropped pool's memory would stay with the process; one large block is mapped on its own
+        and returned to the system when its last view is freed.
+        """
+        specs = list(specs)
         start = len(self.specs)
+        layout = []  # K, then V where the layer has one, layer by layer
+        for s in specs:
+            layout.append(((self.num_slots, s.num_kv_heads, s.head_dim), s.dtype))
+            if s.has_v:
+                layout.append(((self.num_slots, s.num_kv_heads, s.v_dim), s.dtype))
+        if self.device.type == "cpu":
+            tensors = iter(_zeroed_views(layout))
+        else:
+            tensors = iter([torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in layout])
         for spec in specs:
             self.specs.append(spec)
-            self.k.append(torch.zeros(self.num_slots, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=self.device))
-            self.v.append(
-                torch.zeros(self.num_slots, spec.num_kv_heads, spec.v_dim, dtype=spec.dtype, device=self.device)
-                if spec.has_v
-                else None
-            )
+            self.k.append(next(tensors))
+            self.v.append(next(tensors) if spec.has_v else None)
         return range(start, len(self.specs))
 
     def layer_ids(self, owner: str) -> list[int]:
