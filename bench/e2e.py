@@ -50,6 +50,7 @@ from results_io import GCPauses, format_gpu_state, gpu_state, process_state  # n
 
 from specdec import SamplingParams, SpecEngine  # noqa: E402
 from specdec.drafters import make_drafter  # noqa: E402
+from specdec.jit_stats import triton_kernels_built  # noqa: E402
 from specdec.prompts import humaneval_prompts, parse_range  # noqa: E402
 from specdec.target import load_target  # noqa: E402
 from specdec.target.loading import cache_dir  # noqa: E402
@@ -153,6 +154,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         dstats["eager_reasons"].clear()
     outs, t_total, batch_s = [], 0.0, []
     gpu_before = gpu_state() if args.device.startswith("cuda") else {}
+    kernels_before = triton_kernels_built()
     with GCPauses() as gc_pauses:  # the collector's pauses fall inside the steps they interrupt
         for i in range(0, len(prompt_ids), batch_size):
             _sync(args.device)
@@ -162,6 +164,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             batch_s.append(time.perf_counter() - t0)
             t_total += batch_s[-1]
     gpu_after = gpu_state() if args.device.startswith("cuda") else {}
+    kernels_built = triton_kernels_built() - kernels_before  # first-time compiles inside the timed run
     if dstats is not None and hasattr(block, "propose_device_s"):
         block.propose_device_s  # noqa: B018 - takes the last propose's device time into dstats
         dstats = {**dstats, "eager_reasons": dstats["eager_reasons"].copy()}  # the timed run's, not the cProfile pass's
@@ -191,6 +194,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
                             for o in outs],
             "batch_s": batch_s,
             "gc": gc_pauses.as_dict(),  # the collector's pauses in the timed run
+            "triton_kernels_built": kernels_built,
             "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
             **({"hybrid_stats": dict(drafter.stats)} if block is not drafter else {}),
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
@@ -418,6 +422,9 @@ def main() -> None:
                     text.append(f"- {name}: the garbage collector paused the timed run {gp['ms']:.0f} ms "
                                 f"({gp['ms'] / max(1, r['steps']):.3f} ms a step) in {sum(gp['collections']):,} "
                                 f"collections, {gp['collections'][2]} of them full ({gp['ms_by_generation'][2]:.0f} ms)")
+                if r.get("triton_kernels_built"):
+                    text.append(f"- {name}: {r['triton_kernels_built']} Triton kernels were built inside the timed run "
+                                f"(first-time compiles or loads from Triton's disk cache)")
                 gs = r.get("gpu")
                 if gs and (gs["before"] or gs["after"]):
                     text.append(f"- {name}: GPU before the timed run: {format_gpu_state(gs['before'])}; "

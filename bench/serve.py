@@ -36,7 +36,9 @@ generation steps, from each answer's ``usage`` (``completion_tokens``, ``mean_ac
 From the server's ``/metrics`` before and after each load it also reports where the server's time
 went: its engine steps, their mean wall time as the driver times them (with the engine's own
 timers' share in brackets), and the time between steps per step (the server's loop: admitting,
-delivering, streaming; and idle time, where arrivals leave the server waiting).
+delivering, streaming; and idle time, where arrivals leave the server waiting), and the Triton
+kernels the server built during the load (``specdec_triton_kernels_built``: a step that met a
+first-time compile the warm-up had not run; 0 is the goal).
 Writes ``--out/serve.md`` (the table, with the command, the machine and the date) and ``serve.json``.
 """
 
@@ -304,7 +306,8 @@ def serve_command(args, drafter: str, port: int) -> list[str]:
 
 def scrape(url: str) -> dict[str, float]:
     """The server's step counters from ``/metrics``: ``steps``, ``step_s`` (engine steps' wall time,
-    as the driver times them) and ``<phase>_s`` (the engine's own timers); empty for a server
+    as the driver times them), ``<phase>_s`` (the engine's own timers), ``kernels`` (Triton kernels
+    built so far) and ``kernels:<function>`` (by the function that built them); empty for a server
     that exports none of them (a peer)."""
     try:
         text = httpx.get(url + "/metrics", timeout=30).text
@@ -319,6 +322,10 @@ def scrape(url: str) -> dict[str, float]:
             out["step_s"] = float(value)
         elif name.startswith("specdec_step_phase_seconds_total{phase="):
             out[name.split('"')[1] + "_s"] = float(value)
+        elif name == "specdec_triton_kernels_built":
+            out["kernels"] = float(value)
+        elif name.startswith("specdec_triton_kernels_built_by_function{function="):
+            out["kernels:" + name.split('"')[1]] = float(value)
     return out
 
 
@@ -327,12 +334,18 @@ def step_figures(before: dict, after: dict, wall_s: float) -> dict:
     timed them), the engine's own phases per step, and the time between steps (the server's loop:
     admitting, delivering, streaming)."""
     steps = after.get("steps", 0) - before.get("steps", 0)
+    built = int(after["kernels"] - before["kernels"]) if "kernels" in after and "kernels" in before else None
+    by_function = {k.removeprefix("kernels:"): int(v - before.get(k, 0.0)) for k, v in after.items()
+                   if k.startswith("kernels:") and v > before.get(k, 0.0)}
     if steps <= 0:
-        return {"steps": 0, "step_ms": None, "engine_ms": None, "between_ms": None}
+        return {"steps": 0, "step_ms": None, "engine_ms": None, "between_ms": None, "kernels_built": built,
+                "kernels_by_function": by_function}
     step_s = after.get("step_s", 0) - before.get("step_s", 0)
-    engine_s = sum(after[k] - before.get(k, 0.0) for k in after if k.endswith("_s") and k != "step_s")
+    engine_s = sum(after[k] - before.get(k, 0.0) for k in after
+                   if k.endswith("_s") and k != "step_s" and not k.startswith("kernels"))
     return {"steps": int(steps), "step_ms": _r(step_s / steps * 1e3), "engine_ms": _r(engine_s / steps * 1e3),
-            "between_ms": _r(max(0.0, wall_s - step_s) / steps * 1e3)}
+            "between_ms": _r(max(0.0, wall_s - step_s) / steps * 1e3), "kernels_built": built,
+            "kernels_by_function": by_function}
 
 
 def peer_model(args) -> Path:
@@ -361,6 +374,10 @@ def run_drafter(args, drafter: str, loads: list[tuple[str, float, list[str]]]) -
         warm = asyncio.run(closed_loop(url, ["Say hello."], 1, args.max_tokens))[0][0]  # untimed
         if warm.error:
             raise SpecDecError(f"the warm-up request to the {drafter} server failed: {warm.error}")
+        start = scrape(url)
+        if "kernels" in start:
+            print(f"{drafter}: {int(start['kernels'])} Triton kernels built by start-up, warm-up and one request",
+                  flush=True)
         for kind, level, questions in loads:
             before = scrape(url)
             if kind == "concurrency":
@@ -375,14 +392,16 @@ def run_drafter(args, drafter: str, loads: list[tuple[str, float, list[str]]]) -
 
 
 HEAD = ("| drafter | load | requests | errors | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-        "TPOT p99 ms | mean accepted length | steps | ms / step (engine's timers) | ms between steps |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "TPOT p99 ms | mean accepted length | steps | ms / step (engine's timers) | ms between steps | "
+        "Triton kernels built |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(r: dict) -> str:
     cells = [r["drafter"], r["load"], r["requests"], r["errors"], r["output_tokens_per_s"], r["ttft_ms_p50"],
              r["ttft_ms_p99"], r["tpot_ms_p50"], r["tpot_ms_p99"], r["mean_accepted_length"], r.get("steps"),
-             None if r.get("step_ms") is None else f"{r['step_ms']} ({r['engine_ms']})", r.get("between_ms")]
+             None if r.get("step_ms") is None else f"{r['step_ms']} ({r['engine_ms']})", r.get("between_ms"),
+             r.get("kernels_built")]
     return "| " + " | ".join("-" if c is None else str(c) for c in cells) + " |"
 
 
@@ -443,7 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     categories = sorted({c for c, _ in turns[:len(kinds) * n]})
     md = "\n".join([header, "", f"Spec-Bench first turns ({', '.join(categories)}), shuffled, {n} distinct per "
                     "load where the file has enough; streamed chat requests, greedy; TTFT and TPOT in "
-                    "milliseconds.", "", HEAD, *map(_row, rows)])
+                    "milliseconds.", "", HEAD, *map(_row, rows)]
+                   + [""] * any(r.get("kernels_by_function") for r in rows)
+                   + [f"- {r['drafter']}, {r['load']}: Triton kernels built during the load, by function: "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(r["kernels_by_function"].items()))
+                      for r in rows if r.get("kernels_by_function")])
     write_results(args.out, "serve", md, {"header": header, "args": vars(args), "rows": rows})
     return 1 if any(r["errors"] for r in rows) else 0
 

@@ -646,6 +646,7 @@ def some_launch_args(i: int) -> tuple:
 def test_prepared_launch_marshals_once_and_writes_each_call_in_place():
     """The argument slots are marshalled on the first launch only; every launch finds that call's
     values behind them, also with threads launching at once (the lock keeps each launch whole)."""
+    import sys
     import threading
 
     from specdec.attention.backends._cute_mla_kernel import LAUNCH_ARGS
@@ -662,10 +663,15 @@ def test_prepared_launch_marshals_once_and_writes_each_call_in_place():
             launch(some_launch_args(i))
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(1, 5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: without the lock, launches would interleave their values
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
     want = {some_launch_args(i) for t in range(1, 5) for i in range(t * 100, t * 100 + 50)}
     assert compiled.marshalled == 1 and set(compiled.launches[3:]) == want and len(compiled.launches) == 203
 

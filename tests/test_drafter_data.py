@@ -164,13 +164,17 @@ def real_docs():
 def test_real_documents_are_long_prose_found_on_the_machine(real_docs):
     assert len(real_docs) >= 50 and all(len(d.split()) >= 150 for d in real_docs)
     assert real_docs == data_mod.real_documents()  # a fixed order
-    assert not any("[![" in d or "HumanEval" in d for d in real_docs)
+    assert not any("[![" in d or "HumanEval" in d or "shields.io" in d for d in real_docs)
+    assert not any(re.search(r"^\s*(:target:|\.\. \|[^|]+\| image::|\[[^\]]+\]:\s*https?://\S+\s*$)", d, re.M)
+                   for d in real_docs)
 
 
 PASSAGES = [f"Passage {i}: the river {w} runs past the old mill and the bakery, where people meet on market days "
             f"to trade grain, talk about the weather and watch the boats go by. In winter {w} freezes over, the "
             f"children skate from the bridge to the church, and the miller sells hot cider at {i + 2} pennies a cup."
             for i, w in enumerate(["Alder", "Birch", "Cedar", "Dogwood", "Elm", "Fir"])]
+SECOND = ("The mill itself was built in 1820 by two brothers from the coast, who ground barley for the abbey "
+          "until a flood took the wheel; their grandchildren rebuilt it in stone and painted the door blue.")
 TRANSLATIONS = [("French", f"Le marché {i} ouvre le matin et les gens achètent du pain frais pour la journée.")
                 for i in range(40)]
 
@@ -180,7 +184,7 @@ INSTRUCTION = re.compile("|".join(re.escape(f.strip()).replace(r"\{k\}", r"\d") 
 TRANSLATE = r"^Translate French to English: |^Translate the following French text|French text into English\.$|^English translation of: "
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10 ** 6), with_passages=st.booleans(), with_translations=st.booleans())
 def test_document_prompts_are_seeded_distinct_and_copy_their_text(real_docs, seed, with_passages, with_translations):
     passages = PASSAGES if with_passages else []
@@ -196,7 +200,7 @@ def test_document_prompts_are_seeded_distinct_and_copy_their_text(real_docs, see
             continue
         assert len(p) <= data_mod.MAX_DOCUMENT_CHARS + longest_task
         # every paragraph of the input is a paragraph (or a sentence-cut start) of a document or a passage
-        body = [q for q in INSTRUCTION.sub("", p).split("\n\n") if len(q.split()) > 12]
+        body = [q for q in INSTRUCTION.sub("", p).split("\n\n") if len(q.split()) > 3]
         assert body
         for para in body:
             para = re.sub(r"^(Document \[\d\]: |TL;DR:|Summarize: )", "", para.strip()).strip()
@@ -213,6 +217,8 @@ def test_document_prompts_are_seeded_distinct_and_copy_their_text(real_docs, see
 def test_document_prompts_need_some_text():
     with pytest.raises(ConfigError, match="no text"):
         data_mod.document_prompts(3, docs=[], passages=[])
+    with pytest.raises(ConfigError, match="no text"):
+        data_mod.document_prompt(__import__("random").Random(0), [], [], [])
     assert data_mod.document_prompts(0, docs=[], passages=[]) == []
 
 
@@ -228,8 +234,8 @@ def grounded_build(tokenizer, folder):
         (f"Translate the following text into German.\n\n{PASSAGES[1]}", "The river runs past the mill, as the passage said."),
         (f"Translate the following text into Japanese.\n\n{PASSAGES[2]}", "川は古い水車小屋を通り過ぎる。"),
         (f"Summarize the following text in 2 sentences.\n\n{looping}", "It repeats."),
-        (f"Read the passage and answer the question.\n\nPassage: {PASSAGES[3]}\n\nQuestion: What does the passage "
-         f"say about rivers?", "It says the river runs past the mill."),
+        (f"Read the passage and answer the question.\n\nPassage: {PASSAGES[3]}\n\n{SECOND}\n\nQuestion: What "
+         f"does the passage say about rivers?", "It says the river runs past the mill."),  # two paragraphs
     ]
     seqs, lens = [], []
     for task, answer in cases:
@@ -244,7 +250,8 @@ def grounded_build(tokenizer, folder):
 def test_self_written_texts_reads_passages_and_foreign_translations_back(smollm2, tmp_path):
     grounded_build(smollm2.tokenizer, tmp_path)
     passages, translations = data_mod.self_written_texts([tmp_path], smollm2.tokenizer)
-    assert [p.strip() for p in passages] == [PASSAGES[i].strip() for i in (0, 1, 2, 3)]  # the looping one dropped
+    # every paragraph of each passage; the looping one dropped
+    assert passages == [PASSAGES[0], PASSAGES[1], PASSAGES[2], PASSAGES[3] + "\n\n" + SECOND]
     # French kept (its first sentences); the "German" answer in English and the unspaced Japanese dropped
     assert translations == [("French", TRANSLATIONS[0][1] + " Il fait beau.")]
 
@@ -256,6 +263,7 @@ def test_a_build_with_documents_uses_an_earlier_builds_text(smollm2, tmp_path):
     data = build(smollm2, tmp_path / "new", num_documents=3, document_sources=[tmp_path / "earlier"], **small)
     assert data.meta["complete"] and data.meta["num_documents"] == 3 and data.source.tolist() == [5, 5, 5]
     assert data.meta["document_sources"] == [str(tmp_path / "earlier")]
+    assert all(int(p) <= data_mod.MAX_DOCUMENT_TOKENS for p in data.prompt_lens)
     with pytest.raises(ConfigError, match="no training data"):
         build(smollm2, tmp_path / "other", num_documents=3, document_sources=[tmp_path / "missing"], **small)
 

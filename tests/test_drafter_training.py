@@ -117,6 +117,9 @@ def test_a_resumed_run_continues_the_same_curve(tiny, tmp_path):
     assert [v["step"] for v in resumed["val"]] == [0, 6, 12]
     with pytest.raises(CheckpointError, match="resume"):
         train_block_drafter(tiny, data, new_net(cfg(0), tiny), tc, resume=tmp_path / "nothing", progress=False)
+    with pytest.raises(ConfigError, match="max_len=1024; resuming it at max_len=512"):  # another cut, another plan
+        train_block_drafter(tiny, data, BlockDrafterNet.load(first), dataclasses.replace(tc, max_len=512), val=val,
+                            out=tmp_path / "third", resume=first, progress=False)
 
 
 def test_a_new_plan_keeps_its_starting_weights_unless_a_step_beats_them(tiny):

@@ -129,7 +129,8 @@ def test_seeded_sampling_repeats_and_models_health_metrics(tiny_server):
     for name in ("specdec_draft_tokens_total", "specdec_accepted_tokens_total", "specdec_step_seconds_count",
                  "specdec_batch_size_bucket", "specdec_requests_waiting", "specdec_kv_pages_in_use", "specdec_drafter_index_tokens",
                  "specdec_drafter_index_rebuilds",
-                 'specdec_accepted_tokens_per_position_total{position="1"}', 'specdec_step_phase_seconds_total'):
+                 'specdec_accepted_tokens_per_position_total{position="1"}', 'specdec_step_phase_seconds_total',
+                 "specdec_triton_kernels_built"):
         assert name in text, name
     value = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
     assert value["specdec_accepted_tokens_total"] <= value["specdec_draft_tokens_total"]
@@ -369,8 +370,10 @@ def test_chat_text_stop_strings_and_streamed_text_on_smollm2(smollm2):
     question = "Name three colors of the rainbow."
     with SpecEngine(smollm2) as ref:
         want = ref.generate([question], max_new_tokens=32, chat=True)[0]
-    engine = SpecEngine(smollm2, make_drafter("suffix"), max_num_seqs=4)
-    with serving(engine, model="smollm2") as client:
+    # closed at the end: FastAPI's cache of endpoint callables keeps the app's closures, and so the
+    # engine with its KV pool, alive after the server stops
+    with (SpecEngine(smollm2, make_drafter("suffix"), max_num_seqs=4) as engine,
+          serving(engine, model="smollm2") as client):
         msgs = [{"role": "user", "content": question}]
         kw = dict(model="smollm2", messages=msgs, max_tokens=32, temperature=0)
         whole = client.chat.completions.create(**kw)
@@ -525,6 +528,7 @@ def test_bench_serve_runs_end_to_end_on_smollm2(tmp_path):
         # tokens the steps gave; the engine's timers within the driver's step time
         assert r["steps"] >= r["output_tokens"] / 2 / max(r["mean_accepted_length"], 1.0)
         assert 0 < r["engine_ms"] <= r["step_ms"] and r["between_ms"] >= 0
+        assert r["kernels_built"] == 0  # nothing is compiled on the CPU (the GPU's figure is the warm-up's test)
     table = (tmp_path / "out" / "serve.md").read_text()
     assert table.startswith("`python bench/serve.py --questions") and "| suffix | rate 4 | 2 | 0 |" in table
 
@@ -710,3 +714,21 @@ def test_bench_serve_reads_specdec_and_peer_chunks_and_builds_peer_commands(tmp_
     with pytest.raises(bench.ConfigError, match="--peer-model"):
         bench.peer_model(argparse.Namespace(peer_model=None, target="no-such-model"))
 
+
+
+def test_bench_serve_counts_the_kernels_a_load_built_by_function(monkeypatch):
+    """``step_figures`` reads the kernels built during a load (the rise of
+    ``specdec_triton_kernels_built``) and names the functions that built them; the kernel series
+    never count as engine time."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import serve as bench
+
+    before = {"steps": 10, "step_s": 0.01, "forward_s": 0.005, "kernels": 40.0, "kernels:m:_linear_kernel": 30.0,
+              "kernels:m:_rope_kernel": 10.0}
+    after = {"steps": 20, "step_s": 0.03, "forward_s": 0.015, "kernels": 43.0, "kernels:m:_linear_kernel": 32.0,
+             "kernels:m:_rope_kernel": 10.0, "kernels:m:_gqa_attn_kernel": 1.0}
+    got = bench.step_figures(before, after, wall_s=0.05)
+    assert got["kernels_built"] == 3
+    assert got["kernels_by_function"] == {"m:_linear_kernel": 2, "m:_gqa_attn_kernel": 1}
+    assert got["engine_ms"] == 1.0 and got["steps"] == 10  # 10 ms of forward over 10 steps
+    assert bench.step_figures({}, {}, 1.0)["kernels_built"] is None  # a peer exports none

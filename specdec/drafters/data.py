@@ -4,7 +4,7 @@ One seeded command builds it (on a GPU; :func:`main`)::
 
     python -m specdec.drafters.data --out data/ --num-magpie 20000 --num-code 20000 --num-math 5000 --device cuda
 
-Prompts come from five sources, never from HumanEval 100-163 or Spec-Bench (evaluation only):
+Prompts come from six sources, never from HumanEval 100-163 or Spec-Bench (evaluation only):
 
 - ``magpie``: user messages the target writes itself. It is given its chat template up to the
   user turn and an opening (a verb or question word, then a topic word taken from real text on
@@ -19,7 +19,7 @@ Prompts come from five sources, never from HumanEval 100-163 or Spec-Bench (eval
 - ``math``: arithmetic word problems and equations written from templates with fresh names and
   numbers (:func:`math_prompts`), for the step-by-step working chat models write.
 - ``documents``: long inputs the answer copies from (:func:`document_prompts`): summaries of
-  300-900-word documents, questions over several retrieved-looking excerpts, translations into
+  250-900-word documents, questions over several retrieved-looking excerpts, translations into
   English. The text is real prose on the machine (Python's topic documentation, standard-library
   module docstrings, installed packages' descriptions) and, from earlier builds, the target's
   own passages and translations (``document_sources``).
@@ -538,6 +538,9 @@ _EXTRACT_TASKS = (
 )
 #: Longest input of a ``documents`` task, in characters (about 1,500 tokens of prose; code-heavy text runs longer).
 MAX_DOCUMENT_CHARS = 7000
+#: Longest ``documents`` prompt kept by a build, in tokens: with training's ``--max-len 1536`` at least
+#: 256 tokens of each answer stay inside the cut.
+MAX_DOCUMENT_TOKENS = 1280
 #: Languages whose words are spaced (the target's own translations into them become inputs to translate back).
 _SPACED_LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese", "Dutch")
 
@@ -547,8 +550,11 @@ def _paragraphs(text: str) -> list[str]:
     lines dropped."""
     out = []
     for para in re.split(r"\n\s*\n", text):
+        if re.match(r"\s*\.\. (\|[^|]+\| )?(image|figure|raw|_[^:]+)::?", para):  # a directive, with its options
+            continue
         lines = [ln.rstrip() for ln in para.strip("\n").splitlines()
-                 if not re.match(r"\s*(\[!\[|!\[|\.\. (image|figure|raw)::|<[a-zA-Z/])", ln)]
+                 if not re.match(r"\s*(\[!\[|!\[|<[a-zA-Z/]|\[[^\]]+\]:\s*\S+\s*$|:(target|alt|width|height|align):)", ln)
+                 and "shields.io" not in ln and "badge" not in ln.lower()]
         para = re.sub(r"\[!\[[^\]]*\]\([^)]*\)\]\([^)]*\)|!\[[^\]]*\]\([^)]*\)", "", "\n".join(lines)).strip()
         if para:
             out.append(para)
@@ -604,6 +610,25 @@ _ENGLISH_WORDS = frozenset("the a an and or of to in is are was were it this tha
                            "you your we our they their its has have not can will".split())
 
 
+def _task_pattern(template: str) -> re.Pattern:
+    pattern = re.escape(template)
+    for blank, group in (("p", "(?P<p>.+)"), ("t", ".+?"), ("k", r"\d+"), ("lang", r"\w+")):
+        pattern = pattern.replace(re.escape("{" + blank + "}"), group)
+    return re.compile(pattern, re.S)
+
+
+#: Each grounded task as a pattern whose group ``p`` is the passage it was given.
+_GROUNDED_PATTERNS = tuple(_task_pattern(t) for t in _GROUNDED_TASKS)
+
+
+def _passage_of(message: str) -> str | None:
+    """The whole passage (every paragraph) of a ``grounded`` task's message, or None for another message."""
+    for pattern in _GROUNDED_PATTERNS:
+        if m := pattern.fullmatch(message.strip()):
+            return m.group("p").strip()
+    return None
+
+
 def self_written_texts(folders, tokenizer) -> tuple[list[str], list[tuple[str, str]]]:
     """The target's own passages and translations in earlier builds' ``grounded`` sequences.
 
@@ -623,8 +648,8 @@ def self_written_texts(folders, tokenizer) -> tuple[list[str], list[tuple[str, s
             msg = _user_message(tokenizer.decode(seq[:pl].tolist(), skip_special_tokens=False))
             if msg is None:
                 continue
-            passage = max(msg.split("\n\n"), key=len).removeprefix("Passage: ").strip()
-            if len(passage.split()) >= 40 and _norm_key(passage) not in seen and not _looping(passage):
+            passage = _passage_of(msg)
+            if passage is not None and len(passage.split()) >= 40 and _norm_key(passage) not in seen and not _looping(passage):
                 seen.add(_norm_key(passage))
                 passages.append(passage)
             m = re.match(r"Translate the following text into (\w+)\.", msg)
@@ -647,8 +672,8 @@ def _excerpt(doc: str, rng: random.Random, lo: int, hi: int) -> str:
     while i < len(paras) and n < want:
         words = paras[i].split()
         if n + len(words) > hi:
-            cut = " ".join(words[: hi - n])
-            end = max(cut.rfind(". "), cut.rfind(".\n"))
+            cut = " ".join(words[: hi - n]) + " "
+            end = max(cut.rfind(". "), cut.rfind("? "), cut.rfind("! "))
             if end > 0:
                 out.append(cut[: end + 1])
             break
@@ -661,7 +686,13 @@ def _excerpt(doc: str, rng: random.Random, lo: int, hi: int) -> str:
 def document_prompt(rng: random.Random, docs: list[str], passages: list[str],
                     translations: list[tuple[str, str]]) -> str | None:
     """One ``documents`` task (a summary, a question over excerpts, a translation or an extraction),
-    or None where the draw found too little text or too much (over :data:`MAX_DOCUMENT_CHARS`)."""
+    or None where the draw found too little text or too much (over :data:`MAX_DOCUMENT_CHARS`).
+
+    Raises:
+        ConfigError: there is no text at all (no ``docs`` and no ``passages``).
+    """
+    if not docs and not passages:
+        raise ConfigError("documents: no text to build a task from (no documents and no passages)")
     def document(lo: int, hi: int) -> str:  # real prose, or several self-written passages as one article
         if passages and (not docs or rng.random() < 0.5):
             return "\n\n".join(rng.choice(passages) for _ in range(rng.randint(lo // 120 + 1, hi // 120 + 1)))
@@ -674,7 +705,9 @@ def document_prompt(rng: random.Random, docs: list[str], passages: list[str],
         lang, text = rng.choice(translations)
         return rng.choice(_TRANSLATE_TASKS).format(lang=lang, t=text)
     if kind == "question":
-        chunks = [document(60, 150) for _ in range(rng.randint(3, 7))]
+        chunks = [c for c in (document(60, 150) for _ in range(rng.randint(3, 7))) if len(c.split()) >= 20]
+        if len(chunks) < 2:
+            return None
         words = sorted(set(re.findall(r"\b[a-z]{6,14}\b", rng.choice(chunks))))
         if not words:
             return None
@@ -831,6 +864,8 @@ def _make_jobs(engine, settings: dict, log) -> list[dict]:
         passages, translations = self_written_texts(settings["document_sources"], engine.target.tokenizer)
         documents = document_prompts(settings["num_documents"], seed=seed, passages=passages,
                                      translations=translations)[part::num_parts]
+        # a prompt past the budget (chat template included) would leave its answer outside training's cut
+        documents = [d for d in documents if len(engine._tokenize(d, chat=True)) <= MAX_DOCUMENT_TOKENS]
         log(f"documents: {len(documents)} tasks ({len(passages)} self-written passages and {len(translations)} "
             f"translations from {len(settings['document_sources'])} earlier builds)")
     prompts = [(p, 0) for p in magpie] + [(p, 1) for p in code] + [(p, 2) for p in heval] + [(p, 3) for p in grounded]
@@ -885,8 +920,8 @@ def build(target, out: str | Path, num_magpie: int, num_code: int, sampled_fract
             :func:`main`) saves what is finished before it stops.
 
     Raises:
-        ConfigError: bad ``part``/``num_humaneval``, or ``out`` holds a build with other settings (or
-            data without a jobs file).
+        ConfigError: bad ``part``/``num_humaneval``, a ``document_sources`` folder without training
+            data, or ``out`` holds a build with other settings (or data without a jobs file).
     """
     if not 0 <= part < num_parts:
         raise ConfigError(f"part must be in [0, num_parts={num_parts}), got {part}")

@@ -577,6 +577,11 @@ class _Run:
         self.state = _read_state(job.resume) if job.resume is not None else None
         net = job.net
         if self.state is not None:
+            was = self.state["record"].get("train", {}).get("max_len", self.tc.max_len)
+            if was != self.tc.max_len:
+                raise ConfigError(f"{str(job.resume)!r} was trained on sequences cut at max_len={was}; resuming it "
+                                  f"at max_len={self.tc.max_len} would change its plan (pass {was}, or start a new "
+                                  f"plan from it with --init)")
             net.load_state_dict(type(net).load(job.resume).state_dict())
         self.net = net.to(device=dev, dtype=torch.float32).train()
         decay, no_decay = [], []
@@ -926,8 +931,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=None)
     p.add_argument("--seqs-per-step", type=int, default=16)
     p.add_argument("--anchors", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=1024,
-                   help="tokens of each sequence trained on (its first ones; long-document prompts need more)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens of each sequence trained on, its first ones (long-document prompts need more); "
+                        "default 1024, or with --resume the run's own")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--val-fraction", type=float, default=0.01)
     p.add_argument("--val-every", type=int, default=250)
@@ -953,17 +959,27 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{flag} must name a folder per kind with {{kind}} (e.g. ckpt-{{kind}}) when several kinds train")
     folder = lambda path, kind: None if path is None else path.replace("{kind}", kind)  # noqa: E731
     check_device(args.device)  # typed errors before the model loads
+    max_len = args.max_len
+    if max_len is None:  # a resumed run keeps the cut it was planned with
+        max_len = (_read_state(folder(args.resume, kinds[0]))["record"]["train"].get("max_len", 1024)
+                   if args.resume else 1024)
+    if max_len < 2:
+        p.error(f"--max-len must be >= 2, got {max_len}")
     data = TokenData.concat([TokenData.load(d) for d in args.data])
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     train, val = data.split(args.val_fraction, seed=args.seed)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    cut = int((train.prompt_lens >= max_len - 1).sum())
+    if cut:
+        log(f"{cut} of {len(train)} training sequences have no response token within --max-len {max_len}: "
+            f"they train nothing")
     jobs = []
     for kind in kinds:
         k = KIND_SETTINGS[kind]
         tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
                          tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"],
                          max_seconds=args.max_seconds, val_every=args.val_every, seed=args.seed,
-                         compile_loss=args.compile_loss, max_len=args.max_len)
+                         compile_loss=args.compile_loss, max_len=max_len)
         start = folder(args.resume or args.init, kind)
         if start is not None:
             net = BlockDrafterNet.load(start)

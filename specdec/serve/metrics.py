@@ -11,6 +11,7 @@ import collections
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specdec.jit_stats import triton_kernels_built_by_function
 from specdec.sequence import GenerationOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -55,6 +56,13 @@ class ServeMetrics:
                                    "bounded by its global_budget_tokens)", registry=r)
         self.drafter_rebuilds = Gauge("specdec_drafter_index_rebuilds",
                                       "Times that index was rebuilt to stay within its budget", registry=r)
+        self.kernels_built = Gauge("specdec_triton_kernels_built",
+                                   "Triton kernels the engine's functions have built so far (compiled, or loaded "
+                                   "from Triton's disk cache): a rise while serving is a step that stalled on one",
+                                   registry=r)
+        self.kernels_by_function = Gauge("specdec_triton_kernels_built_by_function",
+                                         "specdec_triton_kernels_built by the Triton function that built them",
+                                         ["function"], registry=r)
         self._timings = {p: 0.0 for p in _PHASES}
 
     def step(self, seconds: float, batch_size: int) -> None:
@@ -93,4 +101,8 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
+        built = triton_kernels_built_by_function()  # read once: the total and its parts agree
+        self.kernels_built.set(sum(built.values()))
+        for name, n in built.items():
+            self.kernels_by_function.labels(name).set(n)
         return generate_latest(self.registry)

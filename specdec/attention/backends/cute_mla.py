@@ -4,13 +4,14 @@ Status: the kernel compiles for ``sm_90a`` (on a CPU too, ``CUTE_DSL_ARCH=sm_90a
 FP8 E4M3 caches, with and without Helix page tables, with no spills reported by ptxas (168
 registers a thread at compile time, ``setmaxnreg`` 40 / 232 at run time; 222,208 bytes of shared
 memory for every page size and both dtypes), and its register-layout assumptions are checked at
-compile time (``tests/test_cute_mla.py``). On an H100 (2026-12-06) its GPU tests passed, 150 of
-them: bf16, FP8 and Helix (``TestGPU``, against a float64 reference), so ``VALIDATED_SM``,
+compile time (``tests/test_cute_mla.py``). On an H100 (2026-12-06) its GPU tests passed, 156 of
+them with the prepared launch (150 before it): bf16, FP8 and Helix (``TestGPU``, against a float64 reference), so ``VALIDATED_SM``,
 ``FP8_VALIDATED_SM`` and ``HELIX_VALIDATED_SM`` hold 90 and :meth:`CuteMLABackend.supports` accepts
 sm90 shapes. Measured beside ``triton_mla`` (BENCHMARKS.md, "MLA: cute_mla"), it is 1.1-1.5x faster
-at batch 64 with 96-128 heads but paid a fixed 365-400 µs a call on the host at batch 1 on the
-calling path it had then; the prepared launch ("Host cost of a call") brings a call to 150-275 µs
-(``triton_mla``: 75-140), so :meth:`CuteMLABackend.cost` keeps ranking it behind ``triton_mla`` (``MEASURED_FASTER`` is
+at batch 64 with 96-128 heads, but its host cost per call at batch 1 was 365-400 µs in
+``bench/mla_decode.py`` (458-817 µs in ``bench/cute_host.py``) on the calling path it had then;
+the prepared launch ("Host cost of a call") brings a call to 148-275 µs in ``bench/cute_host.py``
+(``triton_mla``: 42-141), so :meth:`CuteMLABackend.cost` keeps ranking it behind ``triton_mla`` (``MEASURED_FASTER`` is
 empty): the selector uses it only when named (``attention_backend="cute_mla"``). To re-run the gate
 and the measurements::
 
@@ -107,7 +108,7 @@ A call costs the host: its checks and split choice (plain Python), two allocatio
 partials), writing the launch's arguments (~5 µs), the C call into the compiled host function
 (it encodes the two TMA descriptors and launches), and the merge's tensor ops (10, a few µs each
 on a GPU). Gone is the per-call conversion of every tensor, likely the bulk of the previous
-path's 365-400 µs (``bench/cute_host.py`` times both paths and the pieces on a GPU):
+path's cost (``bench/cute_host.py`` times both paths and the pieces on a GPU):
 
 * The backend compiles ``MLADecodeKernel.launch``, an entry that takes device addresses, sizes
   and scales (``LAUNCH_ARGS``) and builds the tensors itself, with the types ``from_dlpack``
@@ -152,6 +153,7 @@ import torch
 from specdec.attention.backends.base import AttentionBackend, PhaseBatch
 from specdec.attention.mla_pack import LN2, LOG2E, MLAPlan, choose_splits, padded_page_tables, row_blocks, sm_count
 from specdec.attention.shapes import YES, AttnShape, Verdict, no
+from specdec.errors import ConfigError
 from specdec.parallel.helix import exchange_heads, gather_heads
 
 TOKENS_PER_BLOCK = (16, 32, 64, 128)
@@ -171,8 +173,8 @@ FP8_VALIDATED_SM: tuple[int, ...] = (90,)
 HELIX_VALIDATED_SM: tuple[int, ...] = (90,)
 # (kv_dtype, max_q_len) classes where bench/mla_decode.py measured cute_mla faster than triton_mla
 # on a validated arch; elsewhere cost() ranks it behind triton_mla. Empty: faster at batch 64 with
-# 96-128 heads (1.1-1.5x), slower at batch 1 (a fixed ~150 µs a call on the host with the prepared
-# launch, ~370 µs before it; triton_mla ~75), and a class has no batch.
+# 96-128 heads (1.1-1.5x), slower at batch 1 (148-275 µs a call on the host with the prepared launch in
+# bench/cute_host.py, 458-817 before it; triton_mla 42-141), and a class has no batch.
 MEASURED_FASTER: frozenset[tuple[str, int]] = frozenset()
 
 
@@ -397,13 +399,27 @@ def launch_args(plan: CuteMLAPlan, q2: torch.Tensor, kv2: torch.Tensor, o_part: 
     ``o_part`` and the plan's tensors are contiguous (``attend`` and ``plan`` make them so); the
     kernel assumes 16-byte-aligned rows and vectors (TMA, vector stores) and a 4-byte-aligned page
     table, as the tensors' conversion used to check.
+
+    Raises:
+        ConfigError: a buffer the kernel would misread: misaligned, not contiguous (the page table:
+            rows of contiguous ints), plan vectors or page table not int32, or buffers on several devices.
     """
     table = plan.page_table
+    vectors = (plan.kv_lens, plan.q_start, plan.q_lens)
     data = (q2.data_ptr(), kv2.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
-    meta = (table.data_ptr(), plan.kv_lens.data_ptr(), plan.q_start.data_ptr(), plan.q_lens.data_ptr())
+    meta = (table.data_ptr(), *(v.data_ptr() for v in vectors))
     if (data[0] | data[1] | data[2] | data[3] | meta[1] | meta[2] | meta[3]) % 16 or meta[0] % 4:
-        raise ValueError("cute_mla: q, the cache, the partials and the plan's vectors must start 16-byte aligned "
-                         "(the page table 4-byte aligned)")
+        raise ConfigError("cute_mla: q, the cache, the partials and the plan's vectors must start 16-byte aligned "
+                          "(the page table 4-byte aligned)")
+    if table.dtype != torch.int32 or any(v.dtype != torch.int32 for v in vectors):
+        raise ConfigError(f"cute_mla: the page table and the plan's vectors must be int32, got {table.dtype}, "
+                          f"{[str(v.dtype) for v in vectors]}")
+    if table.dim() != 2 or table.stride(1) != 1 or not all(
+            t.is_contiguous() for t in (q2, kv2, o_part, lse_part, *vectors)):
+        raise ConfigError("cute_mla: q, the cache, the partials and the plan's vectors must be contiguous, and the "
+                          "page table rows of contiguous ints")
+    if len({t.device for t in (q2, kv2, o_part, lse_part, table, *vectors)}) != 1:
+        raise ConfigError("cute_mla: every buffer of a call must be on one device")
     cp, rank = (plan.shard.cp, plan.shard.rank) if plan.shard is not None else (1, 0)
     return (*data, *meta, q2.shape[0], kv2.shape[0], o_part.shape[0], plan.num_seqs, table.shape[1],
             table.stride(0), scale_log2, v_scale, num_heads, splits, grid_m, cp, rank, stream)
@@ -452,6 +468,8 @@ class PreparedLaunch:
             value.value = arg
 
     def __call__(self, args: tuple) -> None:
+        """Launch the kernel with one call's argument values (:func:`launch_args`, in ``LAUNCH_ARGS``
+        order) on the stream they name; marshals and loads the module on the first call."""
         with self._lock:
             self.write(args)
             if self._run is None:  # first launch: marshal the slots, load the module (needs the driver)
