@@ -732,3 +732,33 @@ def test_bench_serve_counts_the_kernels_a_load_built_by_function(monkeypatch):
     assert got["kernels_by_function"] == {"m:_linear_kernel": 2, "m:_gqa_attn_kernel": 1}
     assert got["engine_ms"] == 1.0 and got["steps"] == 10  # 10 ms of forward over 10 steps
     assert bench.step_figures({}, {}, 1.0)["kernels_built"] is None  # a peer exports none
+
+
+def test_a_stopped_app_does_not_keep_its_engine_alive(tiny):
+    """FastAPI caches endpoint functions for the life of the process; the app holds its engine only
+    while it runs, so a server that stopped leaves a dropped engine (and its KV pool) collectable,
+    and its metrics say the engine is gone instead of reading a dead one."""
+    import gc
+    import weakref
+
+    from specdec.errors import EngineClosedError
+
+    engine = SpecEngine(tiny, max_num_seqs=2, num_pages=16)
+    with serving(engine) as client:
+        got = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0)
+        assert len(got.choices[0].token_ids) == 4
+    app_metrics = [o for o in gc.get_referrers(engine) if type(o).__name__ == "ServeMetrics"]
+    assert not app_metrics  # weakly held
+    gone = weakref.ref(engine)
+    engine.close()
+    del engine
+    gc.collect()
+    assert gone() is None
+    from specdec.serve.metrics import ServeMetrics
+
+    other = SpecEngine(tiny, max_num_seqs=1, num_pages=4)
+    metrics = ServeMetrics(other)
+    del other
+    gc.collect()
+    with pytest.raises(EngineClosedError, match="dropped"):
+        metrics.engine  # noqa: B018

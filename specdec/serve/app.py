@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
+import weakref
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from specdec.errors import EngineClosedError
 from specdec.heap import frozen_heap
 from specdec.serve.config import ServeConfig
 from specdec.serve.driver import EngineDriver, Event, Handle
@@ -25,7 +27,9 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
 
     The engine is stepped by one task started with the app (its lifespan) and stopped at
     shutdown: admission stops, running requests get ``config.drain_timeout_s`` to finish,
-    the rest are aborted. The engine itself is left open (its owner closes it).
+    the rest are aborted. The engine itself is left open (its owner closes it). The app holds the
+    engine only while it runs: outside that, weakly (FastAPI caches endpoints for the life of
+    the process, and a stopped app must not keep a dropped engine's memory).
 
     Args:
         engine: a :class:`specdec.SpecEngine`; only this app may call it while the app runs.
@@ -35,9 +39,14 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         The app; ``app.state.driver`` and ``app.state.metrics`` are its driver and metrics.
     """
     metrics = ServeMetrics(engine)
+    engine_ref, max_context = weakref.ref(engine), engine.target.max_context
+    del engine  # the closures below hold it weakly
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        engine = engine_ref()
+        if engine is None:
+            raise EngineClosedError("the engine this app serves was dropped by its owner")
         if engine.target.device.type == "cuda":  # first-time costs (graph captures, kernel compiles for
             engine.warm_up()  # each prompt bucket, mixed steps) before /health says ready; none on the CPU
         driver = EngineDriver(engine, config.max_waiting, metrics)
@@ -50,6 +59,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
                 yield
             finally:
                 await driver.stop(config.drain_timeout_s)
+                app.state.driver = None  # the stopped app holds the engine no longer
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.metrics = metrics
@@ -83,7 +93,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdec", "max_model_len": engine.target.max_context}]}
+                                            "owned_by": "specdec", "max_model_len": max_context}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -7,10 +7,12 @@ accepted tokens are counted when a request ends (finished or aborted), from its 
 from __future__ import annotations
 
 import collections
+import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specdec.errors import EngineClosedError
 from specdec.jit_stats import triton_kernels_built_by_function
 from specdec.sequence import GenerationOutput
 
@@ -22,11 +24,13 @@ class ServeMetrics:
     """The metrics of one server.
 
     Args:
-        engine: the served engine (its KV manager and step timings are read).
+        engine: the served engine (its KV manager and step timings are read). Held weakly: the
+            metrics (and the app that holds them, which FastAPI's caches may keep for the life of
+            the process) never keep a dropped engine and its KV pool alive.
     """
 
     def __init__(self, engine):
-        self.engine = engine
+        self._engine = weakref.ref(engine)
         self.registry = r = CollectorRegistry()
         self.requests = Counter("specdec_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)
         self.rejected = Counter("specdec_rejected_requests", "Requests refused before admission, by HTTP status",
@@ -98,6 +102,18 @@ class ServeMetrics:
         at = collections.Counter(pos for length in s.accepted_lengths for pos in range(1, length))
         for pos, n in sorted(at.items()):  # a step's length is its accepted drafts + 1
             self.accepted_at.labels(str(pos)).inc(n)
+
+    @property
+    def engine(self):
+        """The served engine.
+
+        Raises:
+            EngineClosedError: its owner dropped it.
+        """
+        engine = self._engine()
+        if engine is None:
+            raise EngineClosedError("the served engine was dropped by its owner")
+        return engine
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
