@@ -215,6 +215,7 @@ CuteMLAPlan = MLAPlan  # the plan both paged MLA backends build (specdec.attenti
 #: prepared launches (:class:`PreparedLaunch`) of the compiled kernels by (latent, rope, page size, cache
 #: dtype, Helix): a compile takes seconds, so every backend instance (one per engine, and the tests') shares them
 _COMPILED: dict[tuple, Any] = {}
+_COMPILE_LOCK = threading.Lock()
 
 
 class CuteMLABackend(AttentionBackend):
@@ -379,10 +380,13 @@ class CuteMLABackend(AttentionBackend):
         fp8, helix = kv2.dtype == torch.float8_e4m3fn, plan.shard is not None
         key = (LATENT, ROPE, plan.tokens_per_block, str(kv2.dtype).removeprefix("torch."), helix)
         launch = self._compiled.get(key)
-        if launch is None:  # compiled against placeholder pointers: no data needed
-            compiled, _ = _kernel.compile_launch(LATENT, ROPE, plan.tokens_per_block,
-                                                 *kernel_config(plan.tokens_per_block, fp8=fp8), helix=helix)
-            launch = self._compiled[key] = PreparedLaunch(compiled)
+        if launch is None:
+            with _COMPILE_LOCK:  # one compile of a configuration (seconds), whoever asks first
+                launch = self._compiled.get(key)
+                if launch is None:  # compiled against placeholder pointers: no data needed
+                    compiled, _ = _kernel.compile_launch(LATENT, ROPE, plan.tokens_per_block,
+                                                         *kernel_config(plan.tokens_per_block, fp8=fp8), helix=helix)
+                    launch = self._compiled[key] = PreparedLaunch(compiled)
         stream = torch.cuda.current_stream(q2.device).cuda_stream if q2.is_cuda else 0
         launch(launch_args(plan, q2, kv2, o_part, lse_part, scale_log2, v_scale, num_heads, splits, grid_m, stream))
 
