@@ -187,6 +187,15 @@ print('cute_mla import:', e or 'ok'); sys.exit(1 if e else 0)" || exit 1
       timeout 570 python bench/serve.py --device cuda --dtype bfloat16 --target smollm2-135m \
         --questions .evaldata/question.jsonl --drafters "${DRAFTERS:-null,suffix,dflash}" --concurrency 1,8,32,64 \
         --rates 2,8 --max-requests 80 --max-tokens 256 --max-num-seqs 64 --out "$OUT/serve_gpu" 2>&1 | tail -25 ;;
+    servecache)  # issue 20: the null server under the same loads twice, first over an empty Triton cache, then
+                 # over the one the first left: the Triton kernels each load built, by function (serve.md's notes),
+                 # tell first-time compiles the warm-up missed from ones a warm on-disk cache hides (~2 x 150 s)
+      export TRITON_CACHE_DIR="$(mktemp -d)"
+      for pass in cold warm; do
+        timeout 280 python bench/serve.py --device cuda --dtype bfloat16 --target smollm2-135m \
+          --questions .evaldata/question.jsonl --drafters "${DRAFTERS:-null}" --concurrency 1,8,32,64 --rates "" \
+          --max-requests 80 --max-tokens 256 --max-num-seqs 64 --out "$OUT/serve_$pass" 2>&1 | grep -v "it/s\]$" | tail -14
+      done ;;
     vllm)  # issue 20's peer. The wheels (vLLM 0.26.0's closure for torch 2.11, plus numpy 2.3 for numba and
            # mistral-common) are made by ../shared/tools/vllm-closure/closure.py, tarred and split into ~60 MB
            # parts, each staged by its own call into /tmp/vparts
