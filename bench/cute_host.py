@@ -120,27 +120,18 @@ class PreviousPath:
         return (out, lse.view(num_tokens, num_heads)) if return_lse else out
 
 
-def host_us(fn, reps: int) -> float:
-    """Median µs of ``fn()`` with the GPU idle before each call (the call's own cost to the host)."""
+def median_us(fn, reps: int, sync: bool = False) -> float:
+    """Median µs of ``fn()`` with the GPU idle before each call: the call's own cost to the host, or
+    with ``sync`` until the GPU has finished it too."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        if sync:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
-def sync_us(fn, reps: int) -> float:
-    """Median µs of ``fn(); torch.cuda.synchronize()``."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
 
 
@@ -191,14 +182,14 @@ def measure(bench, prev, new, triton_backend, *, batch: int, context: int, reps:
 
     o3, l2 = o_part.view(n_rows, splits, LATENT), lse_part.view(n_rows, splits)
     row = dict(batch=batch, context=context, splits=splits,
-               prev_host=host_us(run_prev, reps), new_host=host_us(run_new, reps),
-               triton_host=host_us(run_triton, reps),
-               prev_sync=sync_us(run_prev, reps), new_sync=sync_us(run_new, reps),
-               triton_sync=sync_us(run_triton, reps),
-               prep_prev=host_us(prep_prev, reps), prep_new=host_us(prep_new, reps),
-               launch_new=host_us(lambda: new._launch(*pieces), reps),
-               merge_new=host_us(lambda: merge_splits(o3, l2, torch.bfloat16, with_lse=False), reps),
-               merge_prev=host_us(lambda: merge_partials(o3, l2, torch.bfloat16), reps),
+               prev_host=median_us(run_prev, reps), new_host=median_us(run_new, reps),
+               triton_host=median_us(run_triton, reps),
+               prev_sync=median_us(run_prev, reps, sync=True), new_sync=median_us(run_new, reps, sync=True),
+               triton_sync=median_us(run_triton, reps, sync=True),
+               prep_prev=median_us(prep_prev, reps), prep_new=median_us(prep_new, reps),
+               launch_new=median_us(lambda: new._launch(*pieces), reps),
+               merge_new=median_us(lambda: merge_splits(o3, l2, torch.bfloat16, with_lse=False), reps),
+               merge_prev=median_us(lambda: merge_partials(o3, l2, torch.bfloat16), reps),
                bitwise="yes" if same else "NO")
     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), file=sys.stderr)
     return row

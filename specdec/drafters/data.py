@@ -663,9 +663,10 @@ def self_written_texts(folders, tokenizer) -> tuple[list[str], list[tuple[str, s
 
 
 def _excerpt(doc: str, rng: random.Random, lo: int, hi: int) -> str:
-    """A run of whole paragraphs of ``doc`` from a random one on, about ``lo``-``hi`` words (a
-    paragraph longer than ``hi`` is cut at a sentence end)."""
-    paras = _paragraphs(doc)
+    """A run of whole paragraphs of ``doc`` (already cleaned: :func:`_paragraphs` joined by blank
+    lines) from a random one on, about ``lo``-``hi`` words (a paragraph longer than ``hi`` is cut at
+    a sentence end)."""
+    paras = doc.split("\n\n")
     want = rng.randint(lo, hi)
     i = rng.randrange(max(1, len(paras) - 1))
     out, n = [], 0
@@ -687,12 +688,14 @@ def document_prompt(rng: random.Random, docs: list[str], passages: list[str],
                     translations: list[tuple[str, str]]) -> str | None:
     """One ``documents`` task (a summary, a question over excerpts, a translation or an extraction),
     or None where the draw found too little text or too much (over :data:`MAX_DOCUMENT_CHARS`).
+    ``docs`` are cleaned documents (as :func:`real_documents` returns them).
 
     Raises:
         ConfigError: there is no text at all (no ``docs`` and no ``passages``).
     """
     if not docs and not passages:
         raise ConfigError("documents: no text to build a task from (no documents and no passages)")
+
     def document(lo: int, hi: int) -> str:  # real prose, or several self-written passages as one article
         if passages and (not docs or rng.random() < 0.5):
             return "\n\n".join(rng.choice(passages) for _ in range(rng.randint(lo // 120 + 1, hi // 120 + 1)))
@@ -730,7 +733,8 @@ def document_prompts(n: int, seed: int = 0, docs: list[str] | None = None, passa
     Raises:
         ConfigError: there is no text to build them from.
     """
-    docs = real_documents() if docs is None else list(docs)
+    # cleaned once here, not at every draw
+    docs = real_documents() if docs is None else ["\n\n".join(_paragraphs(d)) for d in docs]
     passages, translations = list(passages), list(translations)
     if n and not docs and not passages:
         raise ConfigError("documents: no text to build tasks from (no real documents on this machine and no "
