@@ -36,7 +36,10 @@ def test_an_enclosing_freeze_is_left_to_its_owner():
         count = gc.get_freeze_count()
         with frozen_heap() as inner:
             assert outer and not inner
-        assert gc.get_freeze_count() == count  # the inner block did not unfreeze the outer's
+        # The inner block did not unfreeze the outer's (that would leave 0) nor freeze anew (that
+        # would add the objects made since). Frozen objects that reference counting frees meanwhile
+        # (a finished thread's frames, a dropped cache entry) leave the count, so it may fall a little.
+        assert count - 1_000 < gc.get_freeze_count() <= count
     assert gc.get_freeze_count() == 0
 
 
