@@ -294,14 +294,20 @@ def serve_command(args, drafter: str, port: int) -> list[str]:
         if spec is not None:
             cmd += ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": args.max_draft_tokens})]
         return cmd
-    name, _, chunk = drafter.partition("+chunk")  # e.g. null+chunk512: prompts fed 512 tokens a step
-    if _ and not chunk.isdigit():
-        raise SystemExit(f"{drafter}: '+chunkN' needs a number of tokens, e.g. {name}+chunk512")
+    name, *variants = drafter.split("+")  # null+chunk512: prompts fed 512 tokens a step; dflash+gate: draft_gate
+    extra = []
+    for v in variants:
+        if v == "gate":
+            extra.append("--draft-gate")
+        elif v.startswith("chunk") and v[5:].isdigit():
+            extra += ["--max-prefill-tokens", v[5:]]
+        else:
+            raise SystemExit(f"{drafter}: unknown variant '+{v}' ('+chunkN' with a number of tokens, e.g. "
+                             f"{name}+chunk512, or '+gate')")
     return [sys.executable, "-m", "specdec.cli", "serve", "--target", args.target, "--drafter", name,
             "--port", str(port), "--device", args.device, "--dtype", args.dtype, "--served-model-name", MODEL,
             "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
-            "--max-draft-tokens", str(args.max_draft_tokens), "--log-level", "warning"] \
-        + (["--max-prefill-tokens", chunk] if chunk else [])
+            "--max-draft-tokens", str(args.max_draft_tokens), "--log-level", "warning", *extra]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -423,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="smollm2-135m", help="model name or HF checkpoint dir (with a chat template)")
     p.add_argument("--drafters", default="null,suffix,dflash",
                    help="comma-separated drafter names; vllm and vllm-ngram run vLLM's server as a peer; "
-                        "NAME+chunkN serves NAME with --max-prefill-tokens N (chunked prefill)")
+                        "NAME+chunkN serves NAME with --max-prefill-tokens N (chunked prefill), NAME+gate with "
+                        "--draft-gate (steps draft only where drafting was measured faster)")
     p.add_argument("--peer-model", default=None,
                    help="the HF checkpoint folder a peer server loads (default: the target's, see peer_model)")
     p.add_argument("--concurrency", default="1,8,32,64", help="closed-loop client counts ('' for none)")

@@ -17,6 +17,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="model name, HF checkpoint dir or .gguf file")
     p.add_argument("--drafter", default="suffix", help="registered drafter name (null, suffix, ...)")
     p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
+    p.add_argument("--draft-gate", action="store_true", help=DRAFT_GATE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
@@ -25,6 +26,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="send raw text, without the chat template")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+
+DRAFT_GATE_HELP = ("draft only in steps where drafting has been measured to emit more tokens/s than plain steps "
+                   "at that batch size (EngineConfig.draft_gate; outputs are unchanged)")
 
 
 def _check_flags(args) -> None:
@@ -83,7 +88,7 @@ def _engine(args, **overrides):
     from specdec.target import load_target
 
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, apply_chat_template=not args.raw,
-                          **overrides)  # checked first
+                          draft_gate=args.draft_gate, **overrides)  # checked first
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     drafter = make_drafter(args.drafter, **_drafter_kwargs(args))  # the engine's max_draft_tokens caps its drafts
     return SpecEngine(target, drafter, config)
@@ -132,6 +137,9 @@ def cmd_bench(args) -> int:
     print(f"drafter={args.drafter} prompts={len(prompts)} batch={args.batch_size} tokens={tokens} "
           f"time={dt:.1f}s tokens/s={tokens / dt:.1f} target_steps/token={steps / tokens:.3f} "
           f"mean_accepted_length={sum(acc) / max(1, len(acc)):.2f}")
+    for bucket, g in (engine.draft_gate_stats or {}).items():
+        print(f"draft gate, batch {bucket}: {g['drafted_steps']} drafting steps, {g['plain_steps']} plain steps, "
+              f"now {'drafting' if g['drafting'] else 'plain'}")
     return 0
 
 
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the suffix drafter's global automaton: most tokens of finished responses it indexes, "
                         "oldest dropped first (default: the drafter's, 262144, about 256 MB; none: unbounded)")
     s.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
+    s.add_argument("--draft-gate", action="store_true", help=DRAFT_GATE_HELP)
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.set_defaults(raw=False)

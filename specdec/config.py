@@ -135,6 +135,11 @@ class EngineConfig:
             skip the model, graphs and pools, tens of milliseconds each, and the objects are unfrozen
             when it returns. ``False``: the collector as the process has it. (A serving loop driving
             :meth:`SpecEngine.step` freezes its own heap: ``specdec serve`` does after its warm-up.)
+        draft_gate: per batch-size bucket, draft only in steps where drafting has been measured to
+            emit more tokens per second than plain steps (:class:`specdec.draft_gate.DraftGate`:
+            each arm's median over its last steps; the other arm is measured afresh every 64
+            steps). Outputs are unchanged (a plain step is the null drafter's); what it chose is in
+            :attr:`SpecEngine.draft_gate_stats`. ``False`` (default): every step drafts.
         attention_pdl: launch the Triton attention kernels with programmatic dependent launch
             (:mod:`specdec.pdl`); ``None`` (default): where the GPU has it (SM90+). ``True`` on a GPU
             without it is an error when a step runs them. The engine builds its own backends with
@@ -162,6 +167,7 @@ class EngineConfig:
     attention_pdl: bool | None = None
     max_prefill_tokens: int | None = None
     freeze_heap: bool = True
+    draft_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_length not in DRAFT_LENGTH_RULES:
@@ -196,7 +202,7 @@ class EngineConfig:
         if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
             raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
                               f"must be 1.0, got {self.kv_scale!r}")
-        for name in ("cuda_graphs", "batch_invariant", "prompt_graphs", "freeze_heap"):
+        for name in ("cuda_graphs", "batch_invariant", "prompt_graphs", "freeze_heap", "draft_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):

@@ -23,6 +23,7 @@ import torch
 
 from specdec.attention.selector import get_backend
 from specdec.config import EngineConfig, SamplingParams, engine_config
+from specdec.draft_gate import DraftGate
 from specdec.drafters.base import EMPTY_DRAFT, DeviceIds, Draft, Drafter, NullDrafter, check_hooks, on_device, to_host
 from specdec.errors import (ConfigError, EngineClosedError, InvalidRequestError,
                             PromptTooLongError, UnknownRequestError, VocabMismatchError)
@@ -132,6 +133,9 @@ class SpecEngine:
         self._plan: StepPlan | None = None  # the plan of the step under way (undone if it fails)
         self._no_draft: set[str] = set()  # requests whose drafter state failed: decoded plainly to the end
         self._warned: set[str] = set()  # requests (or "" for the engine) already warned about
+        #: draft_gate: whether steps draft, per batch size, by measured tokens/s (None: always)
+        self._gate = DraftGate() if cfg.draft_gate and self._max_draft else None
+        self._drafting = True  # this step drafts (the gate's choice for it)
 
     def _default_num_pages(self, per_token: int) -> int:
         """Pages for ``kv_cache_bytes``, or by default for ``max_num_seqs`` requests of the whole
@@ -446,9 +450,10 @@ class SpecEngine:
             raise
 
     def _step(self) -> list[StepOutput]:
+        t0, batch = time.perf_counter(), max(1, len(self.scheduler.running))
         plan = self._plan = self.executor.take_launched()  # overlap: a decode step already under way
         if plan is None:
-            t0 = time.perf_counter()
+            self._drafting = self._gate is None or self._gate.wants_draft(batch)
             plan = self._plan = self.scheduler.schedule(self._draft_budget)
             if not plan:
                 return self._unschedulable()
@@ -464,6 +469,9 @@ class SpecEngine:
         outs = self._commit(plan, emitted)
         self._plan = None  # committed: nothing to undo from here on
         self.executor.settle()
+        if self._gate is not None and not plan.context:  # a prompt chunk's compute would swamp the comparison
+            self._gate.record(batch, self._drafting, sum(len(o.new_token_ids) for o in outs),
+                              time.perf_counter() - t0)
         return outs
 
     def _undo_step(self) -> None:
@@ -570,7 +578,7 @@ class SpecEngine:
 
     # -- step parts ------------------------------------------------------------
     def _draft_budget(self, seq: Sequence) -> int:
-        if not self._max_draft or seq.req_id in self._no_draft:
+        if not self._max_draft or not self._drafting or seq.req_id in self._no_draft:
             return 0
         left = min(seq.params.max_new_tokens - seq.num_output, self.target.max_context - len(seq.tokens))
         return max(0, min(self._max_draft, left - 1))
@@ -664,6 +672,13 @@ class SpecEngine:
         stats["kept"] += sum(keep)
         return [d if k == len(d) else Draft(d.token_ids[:k], None if d.probs is None else d.probs[:k],
                                             d.confidence[:k]) for d, k in zip(drafts, keep)]
+
+    @property
+    def draft_gate_stats(self) -> dict | None:
+        """With ``draft_gate``: per batch-size bucket (``"5-8"``), its drafting and plain steps, each
+        arm's median tokens/s and whether it drafts now (:meth:`specdec.draft_gate.DraftGate.stats`);
+        ``None`` without it."""
+        return None if self._gate is None else self._gate.stats()
 
     def cost_profile(self):
         """The step-cost profile ``draft_length="confidence"`` uses: ``EngineConfig.cost_profile`` if

@@ -44,6 +44,11 @@ def test_cli_generate_and_bench():
                             "--quiet", "--drafter", "null"], capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, bench.stderr
     assert "tokens/s=" in bench.stdout
+    gated = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--problems", "0-1", "--max-new-tokens", "16",
+                            "--quiet", "--drafter", "suffix", "--draft-gate"], capture_output=True, text=True,
+                           timeout=600)
+    assert gated.returncode == 0, gated.stderr
+    assert "draft gate, batch 1: " in gated.stdout and "drafting steps" in gated.stdout
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "x", "--max-new-tokens", "0"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--max-new-tokens" in bad.stderr  # names the flag as typed

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from helpers import tiny_llama
 from specdec import SamplingParams, SpecEngine
-from specdec.drafters import make_drafter
+from specdec.drafters import SuffixAutomatonDrafter, make_drafter
 from specdec.serve import ServeConfig, create_app
 
 
@@ -190,6 +190,29 @@ def test_every_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
     wait_idle(engine, free)  # nothing bad was admitted, or it was freed
     ok = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0)
     assert len(ok.choices[0].token_ids) >= 1
+
+
+def test_draft_gate_choices_in_metrics(tiny):
+    """With ``draft_gate`` the server's /metrics shows, per batch bucket, the measured steps of each arm
+    and the choice; a drafter whose propose costs 20 ms runs plain after its warm-up, outputs unchanged."""
+    class Slow(SuffixAutomatonDrafter):
+        def propose(self, req_ids, max_tokens):
+            time.sleep(0.02)
+            return super().propose(req_ids, max_tokens)
+
+    p = prompts(1, seed=5)[0]
+    with SpecEngine(tiny) as ref:
+        want = ref.generate([p], max_new_tokens=40, ignore_eos=True)[0].token_ids
+    engine = SpecEngine(tiny, Slow(), max_num_seqs=4, draft_gate=True)
+    with serving(engine) as client:
+        got = client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert tuple(got.choices[0].token_ids) == want
+        metrics = httpx.get(client.url + "/metrics").text
+    stats = engine.draft_gate_stats["1"]
+    assert stats["drafting"] is False and stats["plain_steps"] > stats["drafted_steps"]
+    assert f'specdec_draft_gate_steps{{arm="plain",batch="1"}} {float(stats["plain_steps"])}' in metrics
+    assert 'specdec_draft_gate_drafting{batch="1"} 0.0' in metrics
 
 
 def test_429_past_the_waiting_bound(long_tiny):
@@ -711,6 +734,10 @@ def test_bench_serve_reads_specdec_and_peer_chunks_and_builds_peer_commands(tmp_
     assert "--max-prefill-tokens" not in bench.serve_command(ours, "suffix", 8124)
     with pytest.raises(SystemExit, match="chunkN"):
         bench.serve_command(ours, "suffix+chunk", 8124)
+    cmd = bench.serve_command(ours, "dflash+gate+chunk256", 8124)  # the draft gate, and chunked prefill
+    assert cmd[cmd.index("--drafter") + 1] == "dflash" and "--draft-gate" in cmd
+    assert cmd[cmd.index("--max-prefill-tokens") + 1] == "256"
+    assert "--draft-gate" not in bench.serve_command(ours, "dflash", 8124)
     with pytest.raises(bench.ConfigError, match="--peer-model"):
         bench.peer_model(argparse.Namespace(peer_model=None, target="no-such-model"))
 

@@ -67,6 +67,12 @@ class ServeMetrics:
         self.kernels_by_function = Gauge("specdec_triton_kernels_built_by_function",
                                          "specdec_triton_kernels_built by the Triton function that built them",
                                          ["function"], registry=r)
+        self.gate_steps = Gauge("specdec_draft_gate_steps",
+                                "With draft_gate: measured steps per batch-size bucket and arm (drafting, plain)",
+                                ["batch", "arm"], registry=r)
+        self.gate_drafting = Gauge("specdec_draft_gate_drafting",
+                                   "With draft_gate: 1 where the bucket's steps draft now, 0 where they run plain",
+                                   ["batch"], registry=r)
         self._timings = {p: 0.0 for p in _PHASES}
 
     def step(self, seconds: float, batch_size: int) -> None:
@@ -121,4 +127,8 @@ class ServeMetrics:
         self.kernels_built.set(sum(built.values()))
         for name, n in built.items():
             self.kernels_by_function.labels(name).set(n)
+        for batch, g in (self.engine.draft_gate_stats or {}).items():
+            self.gate_steps.labels(batch, "drafting").set(g["drafted_steps"])
+            self.gate_steps.labels(batch, "plain").set(g["plain_steps"])
+            self.gate_drafting.labels(batch).set(int(g["drafting"]))
         return generate_latest(self.registry)
