@@ -16,8 +16,8 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
   specdec-<name>+nopg  the same with prompt_graphs=False (+pg: True, the default), +nooverlap with
                      overlap_steps=False (+overlap: True; the default is on for null on CUDA), +conf
                      with draft_length="confidence" (drafts cut where their expected accepted tokens
-                     per unit of step cost stop rising), +gate with draft_gate=True (steps draft only
-                     where drafting was measured to emit more tokens/s at that batch size), +nofreeze with freeze_heap=False (the garbage
+                     per unit of step cost stop rising), +gate with draft_gate=True (per batch size, the
+                     draft length, 0 included, measured to emit the most tokens/s), +nofreeze with freeze_heap=False (the garbage
                      collector's full passes walk the whole heap during generate); its ratio and equality are taken to
                      specdec-null with the same suffixes when the run has it
 
@@ -197,7 +197,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "gc": gc_pauses.as_dict(),  # the collector's pauses in the timed run
             "triton_kernels_built": kernels_built,
             "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
-            # '+gate': per batch bucket, drafting and plain steps and their median tokens/s (warm-up batch included)
+            # '+gate': per batch bucket, the draft length chosen and each length's steps and median tokens/s
             "draft_gate_stats": engine.draft_gate_stats,
             **({"hybrid_stats": dict(drafter.stats)} if block is not drafter else {}),
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
@@ -217,7 +217,7 @@ def _tps(r: dict) -> float:
 ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": False},
                    "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False},
                    "conf": {"draft_length": "confidence"},
-                   "gate": {"draft_gate": True},  # '+gate': steps draft only where drafting measured faster
+                   "gate": {"draft_gate": True},  # '+gate': the draft length measured fastest per batch size
                    "nofreeze": {"freeze_heap": False}}  # '+nofreeze': the collector walks the whole heap
 # drafter settings a system name may add ("dflash+compile"); ratios are to plain null. A block
 # drafter's propose is compiled by default on CUDA and not on the CPU: '+compile' / '+nocompile' force it.
@@ -279,8 +279,8 @@ def main() -> None:
                     help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, "
                          "dspark; '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
-                         "to null+nopg); '+conf' cuts drafts by confidence; '+gate' drafts only in steps where drafting was "
-                         "measured faster at that batch size (draft_gate=True); '+compile' / '+nocompile' run a block drafter's "
+                         "to null+nopg); '+conf' cuts drafts by confidence; '+gate' drafts, per batch size, the length "
+                         "(0 included) measured to emit the most tokens/s (draft_gate=True); '+compile' / '+nocompile' run a block drafter's "
                          "propose through torch.compile or not (default: compiled on CUDA; e.g. dflash+nocompile); "
                          "'+cost' / '+nocost' make the hybrid cost-aware (the default) or not; '+dflash' gives "
                          "the hybrid the shipped DFlash instead of DSpark (hybrid+dflash); '+devdrafts' leaves a "
@@ -412,10 +412,10 @@ def main() -> None:
                     text.append(f"- {name}: the confidence cut kept {dl['kept']:,} of {dl['drafted']:,} drafted tokens "
                                 f"over {dl['steps']:,} steps")
                 for bucket, g in (r.get("draft_gate_stats") or {}).items():
-                    rates = (f"; median tokens/s drafting {g['draft_tok_s']:,.0f}, plain {g['plain_tok_s']:,.0f}"
-                             if g["draft_tok_s"] and g["plain_tok_s"] else "")
-                    text.append(f"- {name}: the draft gate at batch {bucket}: {g['drafted_steps']:,} drafting and "
-                                f"{g['plain_steps']:,} plain steps{rates}; now {'drafting' if g['drafting'] else 'plain'}")
+                    by = ", ".join(f"{n}: {g['steps'].get(n, 0):,} steps at {t:,.0f} tokens/s"
+                                   for n, t in g["tok_s"].items())
+                    text.append(f"- {name}: the draft gate at batch {bucket}: draft length {g['draft_length']} "
+                                f"(by length, steps and median tokens/s: {by})")
                 hs = r.get("hybrid_stats")
                 if hs:
                     text.append(f"- {name}: drafts taken from the learned drafter {hs['learned']:,}, from the suffix "

@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafters", default="null,suffix,dflash",
                    help="comma-separated drafter names; vllm and vllm-ngram run vLLM's server as a peer; "
                         "NAME+chunkN serves NAME with --max-prefill-tokens N (chunked prefill), NAME+gate with "
-                        "--draft-gate (steps draft only where drafting was measured faster)")
+                        "--draft-gate (per batch size, the draft length measured fastest)")
     p.add_argument("--peer-model", default=None,
                    help="the HF checkpoint folder a peer server loads (default: the target's, see peer_model)")
     p.add_argument("--concurrency", default="1,8,32,64", help="closed-loop client counts ('' for none)")

@@ -28,8 +28,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
-DRAFT_GATE_HELP = ("draft only in steps where drafting has been measured to emit more tokens/s than plain steps "
-                   "at that batch size (EngineConfig.draft_gate; outputs are unchanged)")
+DRAFT_GATE_HELP = ("per batch size, draft the number of tokens (0 = none) measured to emit the most tokens/s "
+                   "(EngineConfig.draft_gate; outputs are unchanged)")
 
 
 def _check_flags(args) -> None:
@@ -138,8 +138,8 @@ def cmd_bench(args) -> int:
           f"time={dt:.1f}s tokens/s={tokens / dt:.1f} target_steps/token={steps / tokens:.3f} "
           f"mean_accepted_length={sum(acc) / max(1, len(acc)):.2f}")
     for bucket, g in (engine.draft_gate_stats or {}).items():
-        print(f"draft gate, batch {bucket}: {g['drafted_steps']} drafting steps, {g['plain_steps']} plain steps, "
-              f"now {'drafting' if g['drafting'] else 'plain'}")
+        steps = ", ".join(f"{n}: {s}" for n, s in g["steps"].items())
+        print(f"draft gate, batch {bucket}: draft length {g['draft_length']} (steps by length {steps})")
     return 0
 
 

@@ -135,11 +135,13 @@ class EngineConfig:
             skip the model, graphs and pools, tens of milliseconds each, and the objects are unfrozen
             when it returns. ``False``: the collector as the process has it. (A serving loop driving
             :meth:`SpecEngine.step` freezes its own heap: ``specdec serve`` does after its warm-up.)
-        draft_gate: per batch-size bucket, draft only in steps where drafting has been measured to
-            emit more tokens per second than plain steps (:class:`specdec.draft_gate.DraftGate`:
-            each arm's median over its last steps; the other arm is measured afresh every 64
-            steps). Outputs are unchanged (a plain step is the null drafter's); what it chose is in
-            :attr:`SpecEngine.draft_gate_stats`. ``False`` (default): every step drafts.
+        draft_gate: per batch-size bucket, draft the number of tokens (``0, 1, 2, 4, ...,
+            max_draft_tokens``; 0: no propose) whose steps were measured to emit the most tokens per
+            second (:class:`specdec.draft_gate.DraftGate`: medians of each length's last steps,
+            climbing from the longest to its neighbours, which are measured afresh every 64
+            steps). Outputs are unchanged (a shorter draft is a prefix, a plain step the null
+            drafter's); its choices are in :attr:`SpecEngine.draft_gate_stats`. ``False``
+            (default): every step drafts up to ``max_draft_tokens``.
         attention_pdl: launch the Triton attention kernels with programmatic dependent launch
             (:mod:`specdec.pdl`); ``None`` (default): where the GPU has it (SM90+). ``True`` on a GPU
             without it is an error when a step runs them. The engine builds its own backends with

@@ -133,9 +133,9 @@ class SpecEngine:
         self._plan: StepPlan | None = None  # the plan of the step under way (undone if it fails)
         self._no_draft: set[str] = set()  # requests whose drafter state failed: decoded plainly to the end
         self._warned: set[str] = set()  # requests (or "" for the engine) already warned about
-        #: draft_gate: whether steps draft, per batch size, by measured tokens/s (None: always)
-        self._gate = DraftGate() if cfg.draft_gate and self._max_draft else None
-        self._drafting = True  # this step drafts (the gate's choice for it)
+        #: draft_gate: how many tokens steps draft, per batch size, by measured tokens/s (None: max_draft_tokens)
+        self._gate = DraftGate(self._max_draft) if cfg.draft_gate and self._max_draft else None
+        self._draft_cap = self._max_draft  # the most tokens a request drafts this step (the gate's choice)
 
     def _default_num_pages(self, per_token: int) -> int:
         """Pages for ``kv_cache_bytes``, or by default for ``max_num_seqs`` requests of the whole
@@ -453,7 +453,7 @@ class SpecEngine:
         t0, batch = time.perf_counter(), max(1, len(self.scheduler.running))
         plan = self._plan = self.executor.take_launched()  # overlap: a decode step already under way
         if plan is None:
-            self._drafting = self._gate is None or self._gate.wants_draft(batch)
+            self._draft_cap = self._max_draft if self._gate is None else self._gate.draft_length(batch)
             plan = self._plan = self.scheduler.schedule(self._draft_budget)
             if not plan:
                 return self._unschedulable()
@@ -470,7 +470,7 @@ class SpecEngine:
         self._plan = None  # committed: nothing to undo from here on
         self.executor.settle()
         if self._gate is not None and not plan.context:  # a prompt chunk's compute would swamp the comparison
-            self._gate.record(batch, self._drafting, sum(len(o.new_token_ids) for o in outs),
+            self._gate.record(batch, self._draft_cap, sum(len(o.new_token_ids) for o in outs),
                               time.perf_counter() - t0)
         return outs
 
@@ -578,10 +578,10 @@ class SpecEngine:
 
     # -- step parts ------------------------------------------------------------
     def _draft_budget(self, seq: Sequence) -> int:
-        if not self._max_draft or not self._drafting or seq.req_id in self._no_draft:
+        if not self._draft_cap or seq.req_id in self._no_draft:
             return 0
         left = min(seq.params.max_new_tokens - seq.num_output, self.target.max_context - len(seq.tokens))
-        return max(0, min(self._max_draft, left - 1))
+        return max(0, min(self._draft_cap, left - 1))
 
     def _propose(self, plan: StepPlan) -> list[Draft]:
         """One validated draft per generation request of ``plan``, each within its budget
@@ -675,9 +675,9 @@ class SpecEngine:
 
     @property
     def draft_gate_stats(self) -> dict | None:
-        """With ``draft_gate``: per batch-size bucket (``"5-8"``), its drafting and plain steps, each
-        arm's median tokens/s and whether it drafts now (:meth:`specdec.draft_gate.DraftGate.stats`);
-        ``None`` without it."""
+        """With ``draft_gate``: per batch-size bucket (``"5-8"``), the draft length its steps take now
+        (0: plain steps), and per length measured its steps and median tokens/s
+        (:meth:`specdec.draft_gate.DraftGate.stats`); ``None`` without it."""
         return None if self._gate is None else self._gate.stats()
 
     def cost_profile(self):

@@ -11,7 +11,7 @@ import transformers
 from hypothesis import given, settings, strategies as st
 
 from specdec import EngineConfig, SamplingParams, SpecEngine
-from specdec.draft_gate import DraftGate, bucket_label, bucket_of
+from specdec.draft_gate import DraftGate, bucket_label, bucket_of, draft_lengths
 from specdec.drafters import Draft, Drafter, NullDrafter, SuffixAutomatonDrafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
@@ -35,71 +35,102 @@ def test_bucket_of_rejects_an_empty_batch():
         bucket_of(0)
 
 
-def _drive(gate: DraftGate, steps: int, rate, batch: int = 8) -> str:
-    """``steps`` decisions, each recorded at ``rate(drafted, i)`` tokens/s; ``D`` drafted, ``.`` plain."""
+@given(st.integers(1, 64))
+def test_lengths_are_none_powers_of_two_and_the_most(max_draft):
+    lengths = draft_lengths(max_draft)
+    assert lengths[0] == 0 and lengths[-1] == max_draft and list(lengths) == sorted(set(lengths))
+    assert all(n & (n - 1) == 0 for n in lengths[1:-1])
+    with pytest.raises(ValueError, match="max_draft"):
+        draft_lengths(0)
+
+
+def _drive(gate: DraftGate, steps: int, rate, batch: int = 8) -> list[int]:
+    """``steps`` decisions, each recorded at ``rate(length, i)`` tokens/s; the lengths chosen."""
     out = []
     for i in range(steps):
-        d = gate.wants_draft(batch)
-        gate.record(batch, d, 10, 10 / rate(d, i))
-        out.append("D" if d else ".")
-    return "".join(out)
+        n = gate.draft_length(batch)
+        gate.record(batch, n, 10, 10 / rate(n, i))
+        out.append(n)
+    return out
 
 
-def test_warm_up_measures_both_arms_then_keeps_the_faster_and_probes_the_other():
-    W, E, P = DraftGate.WARMUP, DraftGate.PROBE_EVERY, DraftGate.PROBE_STEPS
-    gate = DraftGate()
-    seq = _drive(gate, 2 * W + 2 * (E + P), lambda d, i: 50.0 if d else 100.0)
-    assert seq[:2 * W] == "D" * W + "." * W
-    rest = seq[2 * W:]
-    assert rest == ("." * E + "D" * P) * 2  # plain is faster: drafting is measured afresh every E steps
+def _peaked(at: int):
+    """Tokens/s that rise to a peak at draft length ``at`` and fall after it."""
+    return lambda n, i: 100.0 / (1.0 + abs(n - at))
+
+
+W, E, P = DraftGate.WARMUP, DraftGate.PROBE_EVERY, DraftGate.PROBE_STEPS
+
+
+def test_a_new_bucket_measures_both_ends_then_climbs_to_the_peak():
+    gate = DraftGate(8)  # lengths 0, 1, 2, 4, 8
+    seq = _drive(gate, 5 * W + 10, _peaked(2))
+    # the longest (where it starts), no draft; 0 leads: its neighbour 1, then 2, whose neighbour 4 is worse
+    assert seq[:5 * W] == [8] * W + [0] * W + [1] * W + [2] * W + [4] * W
+    assert seq[5 * W:] == [2] * 10
     stats = gate.stats()["5-8"]
-    assert stats["drafting"] is False and stats["probes"] == 2
-    assert stats["draft_tok_s"] == pytest.approx(50.0) and stats["plain_tok_s"] == pytest.approx(100.0)
+    assert stats["draft_length"] == 2 and stats["steps"] == {0: W, 1: W, 2: W + 10, 4: W, 8: W}
 
 
-def test_a_probe_that_finds_the_other_arm_faster_switches():
-    gate = DraftGate()
-    switch = 2 * DraftGate.WARMUP + 10  # drafting becomes twice as fast as plain after this step
-    seq = _drive(gate, 400, lambda d, i: (200.0 if i >= switch else 50.0) if d else 100.0)
-    first_probe = 2 * DraftGate.WARMUP + DraftGate.PROBE_EVERY
-    assert "D" not in seq[2 * DraftGate.WARMUP:first_probe]
-    assert seq[first_probe + DraftGate.PROBE_STEPS:].count(".") <= DraftGate.PROBE_STEPS * 6  # drafting kept
-    assert gate.stats()["5-8"]["drafting"] is True
+def test_a_drafter_that_never_pays_goes_to_plain_steps_and_probes_drafting():
+    gate = DraftGate(8)
+    seq = _drive(gate, 3 * W + 2 * E, lambda n, i: 100.0 if n == 0 else 50.0 / n)
+    assert seq[:3 * W] == [8] * W + [0] * W + [1] * W
+    rest = seq[3 * W:]  # plain steps, about E of them in all (with 0's first W), then a probe of 1
+    first = rest.index(1)  # (0's neighbour and the best drafting length)
+    assert E - W <= first <= E and rest[:first] == [0] * first and rest[first:first + P + 1] == [1] * P + [0]
+    assert gate.stats()["5-8"]["draft_length"] == 0
 
 
-def test_buckets_decide_apart():
-    gate = DraftGate()
-    for _ in range(40):
-        for batch, fast_draft in ((1, True), (32, False)):
-            d = gate.wants_draft(batch)
-            gate.record(batch, d, 10, 10 / ((300.0 if d else 100.0) if fast_draft else (30.0 if d else 100.0)))
+def test_probes_follow_a_peak_that_moves():
+    gate = DraftGate(8)
+    switch = 200
+    seq = _drive(gate, 1200, lambda n, i: _peaked(1 if i < switch else 8)(n, i))
+    assert seq[switch - 20:switch] == [1] * 20
+    tail = seq[-4 * E:]  # climbed back up through 2 and 4, a probe at a time; now 8 but for probes
+    assert sum(n != 8 for n in tail) <= 4 * 2 * P
+    assert gate.stats()["5-8"]["draft_length"] == 8
+
+
+def test_buckets_decide_apart_and_a_new_one_starts_from_its_nearest():
+    gate = DraftGate(8)
+    for _ in range(60):
+        for batch, peak in ((1, 8), (32, 0)):
+            n = gate.draft_length(batch)
+            gate.record(batch, n, 10, 10 / _peaked(peak)(n, 0))
     stats = gate.stats()
-    assert stats["1"]["drafting"] is True and stats["17-32"]["drafting"] is False
+    assert stats["1"]["draft_length"] == 8 and stats["17-32"]["draft_length"] == 0
+    assert gate.draft_length(24) == 0 and gate.draft_length(64) == 0  # 33-64: starts where 17-32 settled
+    assert gate.draft_length(2) == 8  # 2: starts where 1 settled
 
 
 def test_one_slow_step_does_not_decide():
-    """A one-off (a graph capture, a compile) in drafting's warm-up: the median ignores it."""
-    gate = DraftGate()
-    seq = _drive(gate, 30, lambda d, i: (0.5 if i == 0 else 300.0) if d else 100.0)
-    assert seq[2 * DraftGate.WARMUP:] == "D" * (30 - 2 * DraftGate.WARMUP)
+    """A one-off (a graph capture, a compile) in the first measured steps: the median ignores it."""
+    gate = DraftGate(8)
+    seq = _drive(gate, 40, lambda n, i: 0.5 if i == 0 else (300.0 if n == 8 else 100.0))
+    assert seq[:3 * W] == [8] * W + [0] * W + [4] * W and seq[3 * W:] == [8] * (40 - 3 * W)
 
 
 @settings(max_examples=60, deadline=None)
-@given(fast=st.floats(10.0, 1e5), ratio=st.floats(1.2, 20.0), draft_faster=st.booleans(),
-       steps=st.integers(200, 1500))
-def test_the_slower_arm_gets_at_most_warm_up_and_probes(fast, ratio, draft_faster, steps):
-    slow = fast / ratio
-    gate = DraftGate()
-    seq = _drive(gate, steps, lambda d, i: (fast if d == draft_faster else slow))
-    worse = seq.count("." if draft_faster else "D")
-    bound = DraftGate.WARMUP + DraftGate.PROBE_STEPS * (steps // DraftGate.PROBE_EVERY + 1)
-    assert worse <= bound, (worse, bound)
+@given(max_draft=st.integers(1, 16), peak=st.integers(0, 16), scale=st.floats(1.0, 1e5),
+       steps=st.integers(300, 1500), data=st.data())
+def test_after_the_climb_the_peak_takes_all_but_the_probes(max_draft, peak, scale, steps, data):
+    gate = DraftGate(max_draft)
+    lengths = gate.lengths
+    best = min(lengths, key=lambda n: abs(n - peak))
+    rate = {n: scale / (1.0 + abs(n - best)) for n in lengths}
+    seq = _drive(gate, steps, lambda n, i: rate[n])
+    climb = W * len(lengths)  # at most every length measured once on the way
+    off = sum(n != best for n in seq[climb:])
+    assert off <= 3 * P * (steps // E + 1), (off, seq[:climb + 10])  # a probe: two neighbours and no draft
+    assert gate.stats()["5-8"]["draft_length"] == best
 
 
-def test_unmeasurable_steps_are_ignored():
-    gate = DraftGate()
-    gate.record(4, True, 10, 0.0)
-    gate.record(4, True, 10, float("nan"))
+def test_unmeasurable_steps_and_unknown_lengths_are_ignored():
+    gate = DraftGate(8)
+    gate.record(4, 8, 10, 0.0)
+    gate.record(4, 8, 10, float("nan"))
+    gate.record(4, 3, 10, 1.0)  # not one of its lengths
     assert gate.stats() == {}
 
 
@@ -151,9 +182,10 @@ def test_a_drafter_that_cannot_pay_is_left_out_and_outputs_stay_the_null_drafter
     outs = engine.generate(PROMPTS, params, chat=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     stats = engine.draft_gate_stats["5-8"]
-    assert stats["drafting"] is False
-    assert stats["plain_steps"] > 3 * stats["drafted_steps"], stats
-    assert drafter.proposes <= stats["drafted_steps"] + 2  # a plain step does not call propose
+    assert stats["draft_length"] == 0
+    drafted = sum(n for k, n in stats["steps"].items() if k)
+    assert stats["steps"][0] > 2 * drafted, stats
+    assert drafter.proposes <= drafted + 2  # a plain step does not call propose
 
 
 def test_a_drafter_that_pays_keeps_drafting(tiny):
@@ -164,7 +196,7 @@ def test_a_drafter_that_pays_keeps_drafting(tiny):
     outs = engine.generate(PROMPTS, params, chat=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     stats = engine.draft_gate_stats["5-8"]
-    assert stats["drafting"] is True and stats["draft_tok_s"] > stats["plain_tok_s"], stats
+    assert stats["draft_length"] >= 4 and stats["tok_s"][8] > stats["tok_s"][4], stats
 
 
 def test_without_the_gate_every_step_drafts_and_there_are_no_stats(tiny):
@@ -184,15 +216,15 @@ def test_the_null_drafter_has_no_gate(tiny):
 
 # -- a block drafter left out of steps keeps its context ------------------------------------------
 class _Scripted(DraftGate):
-    """Drafts in runs of ``on`` steps, then leaves ``off`` steps plain, whatever is measured."""
+    """Drafts ``max_draft`` tokens in runs of ``on`` steps, then leaves ``off`` steps plain, whatever is measured."""
 
-    def __init__(self, on: int, off: int):
-        super().__init__()
+    def __init__(self, max_draft: int, on: int, off: int):
+        super().__init__(max_draft)
         self.on, self.off, self.asked = on, off, 0
 
-    def wants_draft(self, batch: int) -> bool:
+    def draft_length(self, batch: int) -> int:
         self.asked += 1
-        return (self.asked - 1) % (self.on + self.off) < self.on
+        return self.lengths[-1] if (self.asked - 1) % (self.on + self.off) < self.on else 0
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +252,7 @@ def test_a_block_drafter_left_out_of_steps_keeps_every_accepted_position(tiny3, 
     base = SpecEngine(tiny3, NullDrafter()).generate(prompts, params, chat=False)
     drafter = cls(init_weights(BlockDrafterNet(_block_cfg(shift)), seed=1))
     engine = SpecEngine(tiny3, drafter, max_draft_tokens=4, draft_gate=True)
-    engine._gate = gate = _Scripted(on=2, off=off)
+    engine._gate = gate = _Scripted(4, on=2, off=off)
     rid = engine.add_request(prompts[0], params, chat=False)
     others = [engine.add_request(p, params, chat=False) for p in prompts[1:]]
     while engine.has_unfinished():

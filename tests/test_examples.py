@@ -48,7 +48,7 @@ def test_cli_generate_and_bench():
                             "--quiet", "--drafter", "suffix", "--draft-gate"], capture_output=True, text=True,
                            timeout=600)
     assert gated.returncode == 0, gated.stderr
-    assert "draft gate, batch 1: " in gated.stdout and "drafting steps" in gated.stdout
+    assert "draft gate, batch 1: draft length " in gated.stdout and "steps by length" in gated.stdout
     bad = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "x", "--max-new-tokens", "0"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--max-new-tokens" in bad.stderr  # names the flag as typed

@@ -193,8 +193,9 @@ def test_every_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
 
 
 def test_draft_gate_choices_in_metrics(tiny):
-    """With ``draft_gate`` the server's /metrics shows, per batch bucket, the measured steps of each arm
-    and the choice; a drafter whose propose costs 20 ms runs plain after its warm-up, outputs unchanged."""
+    """With ``draft_gate`` the server's /metrics shows, per batch bucket, the measured steps of each draft
+    length and the choice; a drafter whose propose costs 20 ms runs plain after it climbed down, outputs
+    unchanged."""
     class Slow(SuffixAutomatonDrafter):
         def propose(self, req_ids, max_tokens):
             time.sleep(0.02)
@@ -210,9 +211,9 @@ def test_draft_gate_choices_in_metrics(tiny):
         assert tuple(got.choices[0].token_ids) == want
         metrics = httpx.get(client.url + "/metrics").text
     stats = engine.draft_gate_stats["1"]
-    assert stats["drafting"] is False and stats["plain_steps"] > stats["drafted_steps"]
-    assert f'specdec_draft_gate_steps{{arm="plain",batch="1"}} {float(stats["plain_steps"])}' in metrics
-    assert 'specdec_draft_gate_drafting{batch="1"} 0.0' in metrics
+    assert stats["draft_length"] == 0 and stats["steps"][0] > sum(stats["steps"].values()) / 2, stats
+    assert f'specdec_draft_gate_steps{{batch="1",draft_length="0"}} {float(stats["steps"][0])}' in metrics
+    assert 'specdec_draft_gate_draft_length{batch="1"} 0.0' in metrics
 
 
 def test_429_past_the_waiting_bound(long_tiny):

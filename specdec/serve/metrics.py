@@ -68,11 +68,11 @@ class ServeMetrics:
                                          "specdec_triton_kernels_built by the Triton function that built them",
                                          ["function"], registry=r)
         self.gate_steps = Gauge("specdec_draft_gate_steps",
-                                "With draft_gate: measured steps per batch-size bucket and arm (drafting, plain)",
-                                ["batch", "arm"], registry=r)
-        self.gate_drafting = Gauge("specdec_draft_gate_drafting",
-                                   "With draft_gate: 1 where the bucket's steps draft now, 0 where they run plain",
-                                   ["batch"], registry=r)
+                                "With draft_gate: measured steps per batch-size bucket and draft length (0: plain)",
+                                ["batch", "draft_length"], registry=r)
+        self.gate_length = Gauge("specdec_draft_gate_draft_length",
+                                 "With draft_gate: the draft length the bucket's steps take now (0: plain)",
+                                 ["batch"], registry=r)
         self._timings = {p: 0.0 for p in _PHASES}
 
     def step(self, seconds: float, batch_size: int) -> None:
@@ -128,7 +128,7 @@ class ServeMetrics:
         for name, n in built.items():
             self.kernels_by_function.labels(name).set(n)
         for batch, g in (self.engine.draft_gate_stats or {}).items():
-            self.gate_steps.labels(batch, "drafting").set(g["drafted_steps"])
-            self.gate_steps.labels(batch, "plain").set(g["plain_steps"])
-            self.gate_drafting.labels(batch).set(int(g["drafting"]))
+            for length, n in g["steps"].items():
+                self.gate_steps.labels(batch, str(length)).set(n)
+            self.gate_length.labels(batch).set(g["draft_length"])
         return generate_latest(self.registry)
