@@ -14,18 +14,18 @@ with a shrinking batch.
 :class:`DraftGate` treats it as a choice among draft lengths (``0, 1, 2, 4, ..., max``; 0 is a
 plain step, with no propose) per batch-size bucket (1, 2, 3-4, 5-8, ...), made by climbing:
 
-- it keeps the tokens per second of the last :data:`~DraftGate.WINDOW` measured steps of each
-  length and takes the length whose median is highest (medians keep a one-off, a graph capture, a
-  compile, from deciding);
+- it keeps the last :data:`~DraftGate.WINDOW` measured steps of each length and takes the length
+  whose steps emitted the most tokens per second of their time (tokens over seconds: a step's
+  tokens vary a lot, a suffix draft is often all accepted or none; a step slower than
+  :data:`~DraftGate.OUTLIER` times the window's median, a graph capture or a compile, is left out);
 - a new bucket measures :data:`~DraftGate.WARMUP` steps of the length its nearest measured bucket
   chose (the longest where there is none: what the engine does without the gate), then of the two
   ends, no draft and the longest (a propose's cost is mostly fixed: no draft often differs most
   from any drafting length), then of each unmeasured neighbour (the next shorter or longer length)
   of whichever length leads, until the leader's neighbours are measured;
-- every :data:`~DraftGate.PROBE_EVERY` steps of the chosen length, its neighbours and no draft (from
-  no draft: length 1 and the best drafting length) are measured afresh over
-  :data:`~DraftGate.PROBE_STEPS` steps each, so a change (longer contexts, text the drafter suits)
-  is followed.
+- every :data:`~DraftGate.PROBE_EVERY` steps of the chosen length, its neighbours and, in turn, the
+  longest draft or no draft are measured afresh over :data:`~DraftGate.PROBE_STEPS` steps each, so
+  a change (longer contexts, text the drafter suits) is followed.
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
@@ -66,7 +66,7 @@ class _Bucket:
     """One batch-size bucket's measurements: per length (an index into the gate's lengths)."""
 
     def __init__(self, n: int, start: int) -> None:
-        self.rates = [deque(maxlen=DraftGate.WINDOW) for _ in range(n)]
+        self.samples = [deque(maxlen=DraftGate.WINDOW) for _ in range(n)]  # (tokens, seconds) per step
         self.steps = [0] * n
         self.start = start  # the length measured first
         self.leader = start  # the length that led at the last measured step
@@ -75,15 +75,23 @@ class _Bucket:
         self.probe_left = 0  # steps of the first of them still to measure
         self.probes = 0
 
-    def median(self, i: int) -> float | None:
-        return statistics.median(self.rates[i]) if self.rates[i] else None
+    def rate(self, i: int) -> float | None:
+        """Length ``i``'s tokens per second over its window: tokens over seconds, without the steps
+        that took over :data:`DraftGate.OUTLIER` times the window's median step time (a compile,
+        a capture); ``None`` before it was measured."""
+        window = self.samples[i]
+        if not window:
+            return None
+        cut = DraftGate.OUTLIER * statistics.median(t for _, t in window)
+        kept = [(n, t) for n, t in window if t <= cut]
+        return sum(n for n, _ in kept) / sum(t for _, t in kept)
 
     def best(self) -> int:
-        """The measured length with the highest median (the longer on a tie); ``start`` before any."""
-        measured = [i for i, r in enumerate(self.rates) if r]
+        """The measured length with the highest rate (the longer on a tie); ``start`` before any."""
+        measured = [i for i, w in enumerate(self.samples) if w]
         if not measured:
             return self.start
-        return max(measured, key=lambda i: (self.median(i), i))
+        return max(measured, key=lambda i: (self.rate(i), i))
 
 
 class DraftGate:
@@ -97,14 +105,17 @@ class DraftGate:
         max_draft: the longest draft (the engine's ``max_draft_tokens``), >= 1.
     """
 
-    #: measured steps per length whose median decides
-    WINDOW = 8
-    #: steps a length is measured before its median counts, the first time
-    WARMUP = 3
+    #: measured steps per length whose tokens over seconds decide (a step's tokens vary a lot: a
+    #: suffix draft is often all accepted or none)
+    WINDOW = 16
+    #: a step that took this many times its window's median time is a one-off, left out
+    OUTLIER = 4.0
+    #: steps a length is measured before it competes, the first time
+    WARMUP = 4
     #: steps of the chosen length between two probes (:meth:`_probed`)
-    PROBE_EVERY = 64
+    PROBE_EVERY = 96
     #: steps each probed length is measured afresh (its window starts anew)
-    PROBE_STEPS = 3
+    PROBE_STEPS = 4
 
     def __init__(self, max_draft: int) -> None:
         self.lengths = draft_lengths(max_draft)
@@ -113,7 +124,8 @@ class DraftGate:
     def _bucket(self, key: int) -> _Bucket:
         b = self._buckets.get(key)
         if b is None:  # start where the nearest measured bucket settled (the longest draft if none)
-            near = min(self._buckets, key=lambda k: (abs(k - key), k), default=None)
+            measured = [k for k, m in self._buckets.items() if any(m.steps)]
+            near = min(measured, key=lambda k: (abs(k - key), k), default=None)
             start = self._buckets[near].best() if near is not None else len(self.lengths) - 1
             b = self._buckets[key] = _Bucket(len(self.lengths), start)
         return b
@@ -135,14 +147,15 @@ class DraftGate:
         return best
 
     def _probed(self, b: _Bucket, best: int) -> list[int]:
-        """The lengths measured afresh in a probe: the best's neighbours and no draft; from no draft,
-        its neighbour and the best drafting length."""
-        if best:
-            want = [best - 1, best + 1, 0]
-        else:
-            drafting = [i for i in range(1, len(self.lengths)) if b.rates[i]]
-            want = [1, max(drafting, key=lambda i: (b.median(i), i), default=1)]
-        return [n for n in dict.fromkeys(want) if 0 <= n < len(self.lengths) and n != best]
+        """The lengths measured afresh in a probe: the best's neighbours and, in turn, the longest
+        draft or no draft (a length measured once long ago is not left out for good); from no
+        draft, also the best drafting length."""
+        last = len(self.lengths) - 1
+        want = [best - 1, best + 1, last if b.probes % 2 == 0 else 0]
+        if not best:
+            drafting = [i for i in range(1, len(self.lengths)) if b.samples[i]]
+            want.append(max(drafting, key=lambda i: (b.rate(i), i), default=1))
+        return [n for n in dict.fromkeys(want) if 0 <= n <= last and n != best]
 
     def draft_length(self, batch: int) -> int:
         """The most tokens each request of a step of ``batch`` generating requests drafts (0: none)."""
@@ -158,14 +171,14 @@ class DraftGate:
         b.steps[i] += 1
         if b.probing and i == b.probing[0]:
             if b.probe_left == self.PROBE_STEPS:  # the probe's first step: this length is measured afresh
-                b.rates[i].clear()
-            b.rates[i].append(tokens / seconds)
+                b.samples[i].clear()
+            b.samples[i].append((tokens, seconds))
             b.probe_left -= 1
             if not b.probe_left:
                 b.probing.pop(0)
                 b.probe_left = self.PROBE_STEPS if b.probing else 0
             return
-        b.rates[i].append(tokens / seconds)
+        b.samples[i].append((tokens, seconds))
         best = b.best()
         if best != b.leader:  # a new leader: its probes count from now
             b.leader, b.run = best, 0
@@ -179,14 +192,16 @@ class DraftGate:
 
     def stats(self) -> dict:
         """Per bucket (keyed by its batch sizes, e.g. ``"5-8"``): ``draft_length``, the length its
-        steps take now; ``steps`` and ``tok_s``, per length measured, the steps and the median tokens
-        per second; ``probes``, the measurements of the chosen length's neighbours so far."""
+        steps take now; ``steps`` and ``tok_s``, per length measured, the steps and the tokens per
+        second of its window (:meth:`_Bucket.rate`); ``probes``, the probes so far."""
         out = {}
         for k in sorted(self._buckets):
             b = self._buckets[k]
+            if not any(b.steps):  # asked, never measured (its steps ran prompt tokens)
+                continue
             out[bucket_label(k)] = {
                 "draft_length": self.lengths[b.best()],
                 "steps": {n: s for n, s in zip(self.lengths, b.steps) if s},
-                "tok_s": {n: b.median(i) for i, n in enumerate(self.lengths) if b.rates[i]},
+                "tok_s": {n: b.rate(i) for i, n in enumerate(self.lengths) if b.samples[i]},
                 "probes": b.probes}
         return out
