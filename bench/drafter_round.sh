@@ -19,6 +19,8 @@
 #                                       # (bench/train_split.py): side by side against one kind after the other
 #   bash bench/drafter_round.sh jointcheck # ms a step: both kinds in one process (JOINT=1) against a process each
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
+#   bash bench/drafter_round.sh gate    # e2e on HumanEval 100-163, batch 1, 8, 32: each drafter with and without
+#                                       # draft_gate (+gate); gatesb: the same on 78 Spec-Bench first turns
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
 #   bash bench/drafter_round.sh hostprofile # e2e at batch 1 with cProfile of each drafter's host functions
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
@@ -116,6 +118,15 @@ for part in "$@"; do
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
         --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash,dspark,dspark+conf \
         --skip-hf --out "$OUT/e2e_specbench" 2>&1 | grep "^|" ;;
+    gate)  # the draft gate (draft_gate=True: per batch size, the draft length measured fastest) beside the same drafters
+      timeout 420 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate,dspark,dspark+gate --skip-hf \
+        --out "$OUT/e2e_gate_humaneval" 2>&1 | grep "^|\|draft gate" ;;
+    gatesb)  # the same on Spec-Bench, 6 first turns per category (78)
+      timeout 540 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
+        --problems 0-5,10-15,20-25,30-35,40-45,50-55,60-65,70-75,80-85,160-165,240-245,320-325,400-405 \
+        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate --skip-hf \
+        --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
     gputests)  # GPU tests of the drafters, sampling and triton_mla's Helix path: one line per test in the file
       timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_sampling_kernel.py \
         tests/test_sampling_batched.py tests/test_sampling_cutoffs.py tests/test_triton_mla.py -m gpu \

@@ -412,10 +412,11 @@ def main() -> None:
                     text.append(f"- {name}: the confidence cut kept {dl['kept']:,} of {dl['drafted']:,} drafted tokens "
                                 f"over {dl['steps']:,} steps")
                 for bucket, g in (r.get("draft_gate_stats") or {}).items():
-                    by = ", ".join(f"{n}: {g['steps'].get(n, 0):,} steps at {t:,.0f} tokens/s"
+                    by = ", ".join(f"{n}: {g['steps'].get(n, 0):,} steps, {t:,.0f} tokens/s"
+                                   + (f", {g['accepted'][n]:.2f} accepted" if n in g["accepted"] else "")
                                    for n, t in g["tok_s"].items())
                     text.append(f"- {name}: the draft gate at batch {bucket}: draft length {g['draft_length']} "
-                                f"(by length, steps and median tokens/s: {by})")
+                                f"(by length: steps, estimated tokens/s, accepted drafts per request: {by})")
                 hs = r.get("hybrid_stats")
                 if hs:
                     text.append(f"- {name}: drafts taken from the learned drafter {hs['learned']:,}, from the suffix "

@@ -1,5 +1,5 @@
-"""How many tokens a step drafts, none included: the length with the most measured tokens per
-second at this batch size.
+"""How many tokens a step drafts, none included: the length with the most tokens per second, from
+what this batch size's steps measured.
 
 A drafter pays for itself when a drafting step emits more tokens per second of its time (the
 propose, the wider verify, the drafter's bookkeeping) than a plain step. That depends on the batch
@@ -7,25 +7,33 @@ size: on a small target a learned drafter's propose costs about a target step, w
 tokens repay at batch 1 but not at batch 32, where the target's step is already efficient and
 each drafted token adds a verified row per request (on the H100, SmolLM2-135M, round-7 DFlash:
 1.66x the null drafter's tokens/s at batch 1, 0.75x at batch 32; BENCHMARKS.md). The best length
-moves too: a row's last drafted tokens are accepted least often, and the rows they add cost most
-where the batch is large. A serving engine's batch moves all day, and a long ``generate`` ends
-with a shrinking batch.
+moves too: a draft's last tokens are accepted least often, and the rows they add cost most where
+the batch is large. A serving engine's batch moves all day, and a long ``generate`` ends with a
+shrinking batch.
 
-:class:`DraftGate` treats it as a choice among draft lengths (``0, 1, 2, 4, ..., max``; 0 is a
-plain step, with no propose) per batch-size bucket (1, 2, 3-4, 5-8, ...), made by climbing:
+:class:`DraftGate` chooses among ``0, 1, 2, 4, ..., max`` draft tokens (0: a plain step, with no
+propose) per batch-size bucket (1, 2, 3-4, 5-8, ...). For a length ``L`` it estimates the tokens a
+request emits per second as ``(1 + A(L)) / c(L)``:
 
-- it keeps the last :data:`~DraftGate.WINDOW` measured steps of each length and takes the length
-  whose steps emitted the most tokens per second of their time (tokens over seconds: a step's
-  tokens vary a lot, a suffix draft is often all accepted or none; a step slower than
-  :data:`~DraftGate.OUTLIER` times the window's median, a graph capture or a compile, is left out);
-- a new bucket measures :data:`~DraftGate.WARMUP` steps of the length its nearest measured bucket
-  chose (the longest where there is none: what the engine does without the gate), then of the two
-  ends, no draft and the longest (a propose's cost is mostly fixed: no draft often differs most
-  from any drafting length), then of each unmeasured neighbour (the next shorter or longer length)
-  of whichever length leads, until the leader's neighbours are measured;
-- every :data:`~DraftGate.PROBE_EVERY` steps of the chosen length, its neighbours and, in turn, the
-  longest draft or no draft are measured afresh over :data:`~DraftGate.PROBE_STEPS` steps each, so
-  a change (longer contexts, text the drafter suits) is followed.
+- ``c(L)``, a step's seconds per request at length ``L``: the median of its last
+  :data:`~DraftGate.WINDOW` measured steps (a step's time varies little; the median leaves out a
+  one-off compile or capture). A length not measured yet is interpolated from the measured ones
+  around it (a step's cost grows about linearly with its rows), so only lengths that could win are
+  measured.
+- ``A(L)``, the drafted tokens a request gets accepted with at most ``L`` drafted: the mean of
+  ``min(a, L)`` over the request-steps that drafted at least ``L`` (``a``: the tokens they had
+  accepted; a shorter draft is a prefix of the longer one, so ``min(a, L)`` is what ``L`` would
+  have had), each weighted by half every :data:`~DraftGate.ACCEPT_HALF_LIFE` steps since. Every step that drafts tells about
+  every shorter length, and a whole batch of requests at once: far fewer steps are needed than to
+  time each length's tokens per second directly (a draft is often all accepted or none).
+
+A new bucket first measures the length its nearest measured bucket chose (the longest where there
+is none: what the engine does without the gate) and no draft, :data:`~DraftGate.WARMUP` steps
+each, then any length whose estimate leads while its cost is still interpolated; then it takes the
+leader. Every :data:`~DraftGate.PROBE_EVERY` steps it measures, in turn, the longest draft (fresh
+acceptance for every length) and no draft, :data:`~DraftGate.PROBE_STEPS` steps, so a change
+(longer contexts, text the drafter suits) is followed; a probe waits longer where its steps would
+take over :data:`~DraftGate.PROBE_SHARE` of the time since the last.
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Sequence
 
 __all__ = ["DraftGate", "bucket_label", "bucket_of", "draft_lengths"]
 
@@ -63,35 +72,59 @@ def draft_lengths(max_draft: int) -> tuple[int, ...]:
 
 
 class _Bucket:
-    """One batch-size bucket's measurements: per length (an index into the gate's lengths)."""
+    """One batch-size bucket's measurements, per length (an index into the gate's lengths)."""
 
-    def __init__(self, n: int, start: int) -> None:
-        self.samples = [deque(maxlen=DraftGate.WINDOW) for _ in range(n)]  # (tokens, seconds) per step
-        self.steps = [0] * n
+    def __init__(self, lengths: tuple[int, ...], start: int) -> None:
+        self.lengths = lengths
+        self.cost = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # seconds per request of each step
+        # per length: min(a, L) summed over the request-steps that drafted at least L, and those
+        # request-steps, each weighted by 1/2 per ACCEPT_HALF_LIFE steps of the bucket since
+        self.accepted_sum = [0.0] * len(lengths)
+        self.accepted_n = [0.0] * len(lengths)
+        self.steps = [0] * len(lengths)
         self.start = start  # the length measured first
-        self.leader = start  # the length that led at the last measured step
-        self.run = 0  # measured steps of the leader since it took the lead or was last probed around
-        self.probing: list[int] = []  # lengths still to measure afresh, in order
+        self.run = 0  # steps of the chosen length since the last probe
+        self.run_s = 0.0  # and their seconds
+        self.probing: list[int] = []  # lengths still to measure in the current probe, in order
         self.probe_left = 0  # steps of the first of them still to measure
         self.probes = 0
 
-    def rate(self, i: int) -> float | None:
-        """Length ``i``'s tokens per second over its window: tokens over seconds, without the steps
-        that took over :data:`DraftGate.OUTLIER` times the window's median step time (a compile,
-        a capture); ``None`` before it was measured."""
-        window = self.samples[i]
-        if not window:
+    def step_cost(self, i: int) -> float | None:
+        """Seconds per request of a step at length ``i``: measured, else interpolated (linearly in
+        the length) from the nearest measured lengths around it, else ``None``."""
+        if self.cost[i]:
+            return statistics.median(self.cost[i])
+        below = [j for j in range(i) if self.cost[j]]
+        above = [j for j in range(i + 1, len(self.lengths)) if self.cost[j]]
+        if not below and not above:
             return None
-        cut = DraftGate.OUTLIER * statistics.median(t for _, t in window)
-        kept = [(n, t) for n, t in window if t <= cut]
-        return sum(n for n, _ in kept) / sum(t for _, t in kept)
+        if not below or not above:  # outside what was measured: the nearest measured cost
+            return statistics.median(self.cost[(below or above)[-1 if below else 0]])
+        lo, hi = below[-1], above[0]
+        c_lo, c_hi = statistics.median(self.cost[lo]), statistics.median(self.cost[hi])
+        f = (self.lengths[i] - self.lengths[lo]) / (self.lengths[hi] - self.lengths[lo])
+        return c_lo + f * (c_hi - c_lo)
+
+    def mean_accepted(self, i: int) -> float | None:
+        """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
+        draft); ``None`` before a step drafted that many."""
+        if i == 0:
+            return 0.0
+        n = self.accepted_n[i]
+        return self.accepted_sum[i] / n if n > 1e-9 else None
+
+    def rate(self, i: int) -> float | None:
+        """Tokens per second per request at length ``i``: ``(1 + A) / c``; ``None`` where either part
+        is unknown."""
+        c, a = self.step_cost(i), self.mean_accepted(i)
+        return None if c is None or a is None or c <= 0 else (1.0 + a) / c
 
     def best(self) -> int:
-        """The measured length with the highest rate (the longer on a tie); ``start`` before any."""
-        measured = [i for i, w in enumerate(self.samples) if w]
-        if not measured:
+        """The length with the highest estimated rate (the longer on a tie); ``start`` before any."""
+        known = [i for i in range(len(self.lengths)) if self.rate(i) is not None]
+        if not known:
             return self.start
-        return max(measured, key=lambda i: (self.rate(i), i))
+        return max(known, key=lambda i: (self.rate(i), i))
 
 
 class DraftGate:
@@ -105,17 +138,20 @@ class DraftGate:
         max_draft: the longest draft (the engine's ``max_draft_tokens``), >= 1.
     """
 
-    #: measured steps per length whose tokens over seconds decide (a step's tokens vary a lot: a
-    #: suffix draft is often all accepted or none)
+    #: steps per length whose median seconds per request is its cost
     WINDOW = 16
-    #: a step that took this many times its window's median time is a one-off, left out
-    OUTLIER = 4.0
-    #: steps a length is measured before it competes, the first time
+    #: a request-step's weight in a length's mean accepted tokens halves every this many steps of its
+    #: bucket (a length measured only in probes is judged on its latest)
+    ACCEPT_HALF_LIFE = 48
+    #: steps a length is measured the first time
     WARMUP = 4
-    #: steps of the chosen length between two probes (:meth:`_probed`)
+    #: steps of the chosen length between two probes
     PROBE_EVERY = 96
-    #: steps each probed length is measured afresh (its window starts anew)
+    #: steps each probe takes (the longest draft and no draft, in turn)
     PROBE_STEPS = 4
+    #: most of the time probes take: a probe waits until its steps' estimated time is at most this
+    #: share of the time since the last (a slow length is probed less often)
+    PROBE_SHARE = 0.05
 
     def __init__(self, max_draft: int) -> None:
         self.lengths = draft_lengths(max_draft)
@@ -127,7 +163,7 @@ class DraftGate:
             measured = [k for k, m in self._buckets.items() if any(m.steps)]
             near = min(measured, key=lambda k: (abs(k - key), k), default=None)
             start = self._buckets[near].best() if near is not None else len(self.lengths) - 1
-            b = self._buckets[key] = _Bucket(len(self.lengths), start)
+            b = self._buckets[key] = _Bucket(self.lengths, start)
         return b
 
     def _next(self, b: _Bucket) -> int:
@@ -137,71 +173,68 @@ class DraftGate:
         begun = [i for i, n in enumerate(b.steps) if 0 < n < self.WARMUP]
         if begun:  # a length whose first measurement is under way: finish it
             return begun[0]
-        for first in (b.start, 0, len(self.lengths) - 1):  # where it starts, then the two ends
+        for first in (b.start, 0):  # where it starts, then no draft
             if b.steps[first] < self.WARMUP:
                 return first
-        best = b.best()
-        for n in (best - 1, best + 1):  # then climb: an unmeasured neighbour of the best
-            if 0 <= n < len(self.lengths) and b.steps[n] < self.WARMUP:
-                return n
-        return best
-
-    def _probed(self, b: _Bucket, best: int) -> list[int]:
-        """The lengths measured afresh in a probe: the best's neighbours and, in turn, the longest
-        draft or no draft (a length measured once long ago is not left out for good); from no
-        draft, also the best drafting length."""
-        last = len(self.lengths) - 1
-        want = [best - 1, best + 1, last if b.probes % 2 == 0 else 0]
-        if not best:
-            drafting = [i for i in range(1, len(self.lengths)) if b.samples[i]]
-            want.append(max(drafting, key=lambda i: (b.rate(i), i), default=1))
-        return [n for n in dict.fromkeys(want) if 0 <= n <= last and n != best]
+        return b.best()  # a leader whose cost is still interpolated is measured by taking it
 
     def draft_length(self, batch: int) -> int:
         """The most tokens each request of a step of ``batch`` generating requests drafts (0: none)."""
         return self.lengths[self._next(self._bucket(bucket_of(batch)))]
 
-    def record(self, batch: int, length: int, tokens: int, seconds: float) -> None:
-        """A measured step: ``batch`` requests, the draft length it was given (from
-        :meth:`draft_length`), the tokens it emitted and its wall time."""
-        if not seconds > 0 or tokens < 0 or length not in self.lengths:
+    def record(self, batch: int, length: int, accepted: Sequence[int], seconds: float) -> None:
+        """A measured step of ``batch`` requests at draft ``length`` (from :meth:`draft_length`):
+        each request's accepted drafted tokens, and the step's wall time."""
+        if not seconds > 0 or length not in self.lengths or not accepted:
             return
         b = self._bucket(bucket_of(batch))
         i = self.lengths.index(length)
         b.steps[i] += 1
+        b.cost[i].append(seconds / len(accepted))
+        hist: dict[int, int] = {}
+        for a in accepted:
+            hist[a] = hist.get(a, 0) + 1
+        keep = 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE)
+        for j in range(1, len(self.lengths)):
+            b.accepted_sum[j] *= keep
+            b.accepted_n[j] *= keep
+            if j <= i:  # this step tells what every length up to its own would have had accepted
+                cap = self.lengths[j]
+                b.accepted_sum[j] += sum(min(a, cap) * n for a, n in hist.items())
+                b.accepted_n[j] += len(accepted)
         if b.probing and i == b.probing[0]:
-            if b.probe_left == self.PROBE_STEPS:  # the probe's first step: this length is measured afresh
-                b.samples[i].clear()
-            b.samples[i].append((tokens, seconds))
             b.probe_left -= 1
             if not b.probe_left:
                 b.probing.pop(0)
                 b.probe_left = self.PROBE_STEPS if b.probing else 0
             return
-        b.samples[i].append((tokens, seconds))
-        best = b.best()
-        if best != b.leader:  # a new leader: its probes count from now
-            b.leader, b.run = best, 0
-        if i == best and self._next(b) == best:  # exploiting: count towards the next probe
+        if self._next(b) == i:  # exploiting: count towards the next probe
             b.run += 1
-            if b.run >= self.PROBE_EVERY:
-                b.run = 0
-                b.probing = self._probed(b, best)
-                b.probe_left = self.PROBE_STEPS
-                b.probes += 1
+            b.run_s += seconds
+            want = len(self.lengths) - 1 if b.probes % 2 == 0 else 0  # the longest and no draft, in turn
+            probe_s = self.PROBE_STEPS * (b.step_cost(want) or 0.0) * len(accepted)
+            if b.run >= self.PROBE_EVERY and b.run_s * self.PROBE_SHARE >= probe_s:
+                b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
+                if want != i:
+                    b.probing, b.probe_left = [want], self.PROBE_STEPS
 
     def stats(self) -> dict:
         """Per bucket (keyed by its batch sizes, e.g. ``"5-8"``): ``draft_length``, the length its
-        steps take now; ``steps`` and ``tok_s``, per length measured, the steps and the tokens per
-        second of its window (:meth:`_Bucket.rate`); ``probes``, the probes so far."""
+        steps take now; per length measured, ``steps`` and ``tok_s`` (its estimated tokens per
+        second, ``(1 + A) / c``: tokens per request over seconds per request); per length with
+        acceptance measured, ``accepted`` (``A``, accepted drafted tokens per request); ``probes``,
+        the probes so far."""
         out = {}
         for k in sorted(self._buckets):
             b = self._buckets[k]
             if not any(b.steps):  # asked, never measured (its steps ran prompt tokens)
                 continue
+            rates = {n: b.rate(i) for i, n in enumerate(self.lengths) if b.steps[i]}
             out[bucket_label(k)] = {
                 "draft_length": self.lengths[b.best()],
                 "steps": {n: s for n, s in zip(self.lengths, b.steps) if s},
-                "tok_s": {n: b.rate(i) for i, n in enumerate(self.lengths) if b.samples[i]},
+                "tok_s": {n: r for n, r in rates.items() if r is not None},
+                "accepted": {n: b.mean_accepted(i) for i, n in enumerate(self.lengths)
+                             if i and b.mean_accepted(i) is not None},
                 "probes": b.probes}
         return out

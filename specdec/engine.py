@@ -470,7 +470,7 @@ class SpecEngine:
         self._plan = None  # committed: nothing to undo from here on
         self.executor.settle()
         if self._gate is not None and not plan.context:  # a prompt chunk's compute would swamp the comparison
-            self._gate.record(batch, self._draft_cap, sum(len(o.new_token_ids) for o in outs),
+            self._gate.record(batch, self._draft_cap, [max(0, len(o.new_token_ids) - 1) for o in outs],
                               time.perf_counter() - t0)
         return outs
 
@@ -676,7 +676,7 @@ class SpecEngine:
     @property
     def draft_gate_stats(self) -> dict | None:
         """With ``draft_gate``: per batch-size bucket (``"5-8"``), the draft length its steps take now
-        (0: plain steps), and per length measured its steps and median tokens/s
+        (0: plain steps), and per length its steps, estimated tokens/s and accepted tokens per request
         (:meth:`specdec.draft_gate.DraftGate.stats`); ``None`` without it."""
         return None if self._gate is None else self._gate.stats()
 
