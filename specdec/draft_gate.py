@@ -15,9 +15,9 @@ shrinking batch.
 propose) per batch-size bucket (1, 2, 3-4, 5-8, ...). For a length ``L`` it estimates the tokens a
 request emits per second as ``(1 + A(L)) / c(L)``:
 
-- ``c(L)``, a step's seconds per request at length ``L``: the median of its last
-  :data:`~DraftGate.WINDOW` measured steps (a step's time varies little; the median leaves out a
-  one-off compile or capture). A length not measured yet is interpolated from the measured ones
+- ``c(L)``, a step's seconds per request at length ``L``: the mean of its last
+  :data:`~DraftGate.WINDOW` measured steps, without those over :data:`~DraftGate.OUTLIER` times
+  their median (a one-off compile or capture). A length not measured yet is interpolated from the measured ones
   around it (a step's cost grows about linearly with its rows), so only lengths that could win are
   measured.
 - ``A(L)``, the drafted tokens a request gets accepted with at most ``L`` drafted: the mean of
@@ -89,19 +89,29 @@ class _Bucket:
         self.probe_left = 0  # steps of the first of them still to measure
         self.probes = 0
 
+    def measured_cost(self, i: int) -> float:
+        """The mean of length ``i``'s window, without the steps slower than :data:`DraftGate.OUTLIER`
+        times its median (a compile, a capture). A mean, not a median: a drafter that often drafts
+        nothing (the suffix drafter without a match) makes most steps plain-priced and the others
+        dear, and both count."""
+        window = self.cost[i]
+        cut = DraftGate.OUTLIER * statistics.median(window)
+        kept = [c for c in window if c <= cut]
+        return sum(kept) / len(kept)
+
     def step_cost(self, i: int) -> float | None:
         """Seconds per request of a step at length ``i``: measured, else interpolated (linearly in
         the length) from the nearest measured lengths around it, else ``None``."""
         if self.cost[i]:
-            return statistics.median(self.cost[i])
+            return self.measured_cost(i)
         below = [j for j in range(i) if self.cost[j]]
         above = [j for j in range(i + 1, len(self.lengths)) if self.cost[j]]
         if not below and not above:
             return None
         if not below or not above:  # outside what was measured: the nearest measured cost
-            return statistics.median(self.cost[(below or above)[-1 if below else 0]])
+            return self.measured_cost((below or above)[-1 if below else 0])
         lo, hi = below[-1], above[0]
-        c_lo, c_hi = statistics.median(self.cost[lo]), statistics.median(self.cost[hi])
+        c_lo, c_hi = self.measured_cost(lo), self.measured_cost(hi)
         f = (self.lengths[i] - self.lengths[lo]) / (self.lengths[hi] - self.lengths[lo])
         return c_lo + f * (c_hi - c_lo)
 
@@ -138,8 +148,11 @@ class DraftGate:
         max_draft: the longest draft (the engine's ``max_draft_tokens``), >= 1.
     """
 
-    #: steps per length whose median seconds per request is its cost
+    #: steps per length whose mean seconds per request is its cost
     WINDOW = 16
+    #: a step slower than this many times its window's median is a one-off (a compile, a graph
+    #: capture: hundreds of steps), left out of the cost
+    OUTLIER = 16.0
     #: a request-step's weight in a length's mean accepted tokens halves every this many steps of its
     #: bucket (a length measured only in probes is judged on its latest)
     ACCEPT_HALF_LIFE = 48

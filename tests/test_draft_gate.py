@@ -154,6 +154,20 @@ def test_one_slow_step_does_not_decide():
     assert seq[2 * W:] == [8] * (40 - 2 * W)
 
 
+def test_a_drafter_that_often_drafts_nothing_is_priced_by_all_its_steps():
+    """Two steps in five have a draft, all 8 tokens accepted, at ten times a plain step's cost; the
+    others have none (a plain step's cost). Drafting: 4.2 tokens per 4.6 plain steps' time, below
+    plain steps' 1: no draft wins, though the typical (median) drafting step costs a plain one."""
+    gate = DraftGate(8)
+    i = 0
+    for _ in range(300):
+        n = gate.draft_length(1)
+        hit = n > 0 and i % 5 in (0, 3)
+        i += n > 0
+        gate.record(1, n, [n if hit else 0], 10.0 if hit else 1.0)
+    assert gate.stats()["1"]["draft_length"] == 0, gate.stats()
+
+
 @settings(max_examples=80, deadline=None)
 @given(max_draft=st.integers(1, 16), p=st.floats(0.05, 0.98), fixed=st.floats(0.0, 0.5),
        per_row=st.floats(0.0001, 0.02), batch=st.sampled_from([1, 3, 8, 24, 64]))
