@@ -20,10 +20,13 @@ request emits per second as ``(1 + A(L)) / c(L)``:
   their median (a one-off compile or capture). A length not measured yet is interpolated from the measured ones
   around it (a step's cost grows about linearly with its rows), so only lengths that could win are
   measured.
-- ``A(L)``, the drafted tokens a request gets accepted with at most ``L`` drafted: the mean of
-  ``min(a, L)`` over the request-steps that drafted at least ``L`` (``a``: the tokens they had
-  accepted; a shorter draft is a prefix of the longer one, so ``min(a, L)`` is what ``L`` would
-  have had), each weighted by half every :data:`~DraftGate.ACCEPT_HALF_LIFE` steps since. Every step that drafts tells about
+- ``A(L)``, the drafted tokens a request gets accepted with at most ``L`` drafted, as a sum of
+  increments: for each length ``L_j <= L``, the mean of ``min(a, L_j) - min(a, L_j-1)`` over the
+  request-steps that drafted at least ``L_j`` (``a``: the tokens they had accepted; a shorter draft
+  is a prefix of the longer one, so ``min(a, L)`` is what ``L`` would have had), each weighted by
+  half every :data:`~DraftGate.ACCEPT_HALF_LIFE` steps since. The short lengths' increments come
+  from nearly every step; a long draft measured only in probes adds only its own increment's noise,
+  and ``A`` never falls as ``L`` grows. Every step that drafts tells about
   every shorter length, and a whole batch of requests at once: far fewer steps are needed than to
   time each length's tokens per second directly (a draft is often all accepted or none).
 
@@ -77,8 +80,8 @@ class _Bucket:
     def __init__(self, lengths: tuple[int, ...], start: int) -> None:
         self.lengths = lengths
         self.cost = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # seconds per request of each step
-        # per length: min(a, L) summed over the request-steps that drafted at least L, and those
-        # request-steps, each weighted by 1/2 per ACCEPT_HALF_LIFE steps of the bucket since
+        # per length L_j: min(a, L_j) - min(a, L_j-1) summed over the request-steps that drafted at
+        # least L_j, and those request-steps, each weighted by 1/2 per ACCEPT_HALF_LIFE steps since
         self.accepted_sum = [0.0] * len(lengths)
         self.accepted_n = [0.0] * len(lengths)
         self.steps = [0] * len(lengths)
@@ -118,10 +121,12 @@ class _Bucket:
     def mean_accepted(self, i: int) -> float | None:
         """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
         draft); ``None`` before a step drafted that many."""
-        if i == 0:
-            return 0.0
-        n = self.accepted_n[i]
-        return self.accepted_sum[i] / n if n > 1e-9 else None
+        total = 0.0
+        for j in range(1, i + 1):  # A(L_i) = sum of the increments: each from the steps that drafted L_j
+            if self.accepted_n[j] <= 1e-9:
+                return None
+            total += self.accepted_sum[j] / self.accepted_n[j]
+        return total
 
     def rate(self, i: int) -> float | None:
         """Tokens per second per request at length ``i``: ``(1 + A) / c``; ``None`` where either part
@@ -212,8 +217,8 @@ class DraftGate:
             b.accepted_sum[j] *= keep
             b.accepted_n[j] *= keep
             if j <= i:  # this step tells what every length up to its own would have had accepted
-                cap = self.lengths[j]
-                b.accepted_sum[j] += sum(min(a, cap) * n for a, n in hist.items())
+                cap, prev = self.lengths[j], self.lengths[j - 1]
+                b.accepted_sum[j] += sum((min(a, cap) - min(a, prev)) * n for a, n in hist.items())
                 b.accepted_n[j] += len(accepted)
         if b.probing and i == b.probing[0]:
             b.probe_left -= 1

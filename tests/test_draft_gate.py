@@ -107,6 +107,8 @@ def test_a_new_bucket_measures_the_longest_and_no_draft_then_takes_the_best_esti
     assert rates[stats["draft_length"]] >= 0.98 * max(rates.values()) and seq[-20:] == [stats["draft_length"]] * 20
     for n, a in stats["accepted"].items():  # every length's acceptance, from the steps that drafted more
         assert a == pytest.approx(sum(0.8 ** j for j in range(1, n + 1)), rel=0.05)
+    accepted = [stats["accepted"][n] for n in sorted(stats["accepted"])]
+    assert accepted == sorted(accepted)  # a longer draft never has fewer accepted tokens
 
 
 def test_a_drafter_that_never_pays_goes_to_plain_steps_and_is_probed():
