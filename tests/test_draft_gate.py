@@ -1,5 +1,5 @@
-"""`EngineConfig.draft_gate`: steps draft only where drafting has been measured to emit more tokens
-per second than plain steps, per batch-size bucket; outputs never change."""
+"""`EngineConfig.draft_gate`: per batch-size bucket, steps draft the number of tokens (0 included)
+estimated to emit the most tokens per second from what earlier steps measured; outputs never change."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ import time
 
 import pytest
 import torch
-import transformers
 from hypothesis import given, settings, strategies as st
 
+from helpers import tiny_llama
 from specdec import EngineConfig, SamplingParams, SpecEngine
 from specdec.draft_gate import DraftGate, bucket_label, bucket_of, draft_lengths
 from specdec.drafters import Draft, Drafter, NullDrafter, SuffixAutomatonDrafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
-from specdec.errors import ConfigError
-from specdec.target import load_target
 from specdec.drafters.training import target_hidden_states
+from specdec.errors import ConfigError
 
 
 # -- the gate alone ------------------------------------------------------------------------------
@@ -291,13 +290,9 @@ class _Scripted(DraftGate):
 
 @pytest.fixture(scope="module")
 def tiny3(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny3")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160,
-                                   initializer_range=0.3)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return load_target(path)
+    """The tiny Llama with 3 layers (the block drafters read layers 0 and 2) and a usable logit scale."""
+    return tiny_llama(tmp_path_factory.mktemp("tiny3"), "cpu", num_hidden_layers=3, max_position_embeddings=160,
+                      initializer_range=0.3)
 
 
 def _block_cfg(shift: int) -> BlockDrafterConfig:
