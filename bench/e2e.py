@@ -197,7 +197,7 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "gc": gc_pauses.as_dict(),  # the collector's pauses in the timed run
             "triton_kernels_built": kernels_built,
             "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
-            # '+gate': per batch bucket, the draft length chosen and each length's steps and median tokens/s
+            # '+gate': per batch bucket, the length chosen; per length, steps, estimated tokens/s, accepted tokens
             "draft_gate_stats": engine.draft_gate_stats,
             **({"hybrid_stats": dict(drafter.stats)} if block is not drafter else {}),
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),

@@ -136,12 +136,12 @@ class EngineConfig:
             when it returns. ``False``: the collector as the process has it. (A serving loop driving
             :meth:`SpecEngine.step` freezes its own heap: ``specdec serve`` does after its warm-up.)
         draft_gate: per batch-size bucket, draft the number of tokens (``0, 1, 2, 4, ...,
-            max_draft_tokens``; 0: no propose) whose steps were measured to emit the most tokens per
-            second (:class:`specdec.draft_gate.DraftGate`: medians of each length's last steps,
-            climbing from the longest to its neighbours, which are measured afresh every 64
-            steps). Outputs are unchanged (a shorter draft is a prefix, a plain step the null
-            drafter's); its choices are in :attr:`SpecEngine.draft_gate_stats`. ``False``
-            (default): every step drafts up to ``max_draft_tokens``.
+            max_draft_tokens``; 0: no propose) with the most estimated tokens per second,
+            ``(1 + accepted) / cost`` from the steps measured so far
+            (:class:`specdec.draft_gate.DraftGate`). Outputs are unchanged (a shorter draft is a
+            prefix, a plain step the null drafter's); its choices are in
+            :attr:`SpecEngine.draft_gate_stats`. ``False`` (default): every step drafts up to
+            ``max_draft_tokens``.
         attention_pdl: launch the Triton attention kernels with programmatic dependent launch
             (:mod:`specdec.pdl`); ``None`` (default): where the GPU has it (SM90+). ``True`` on a GPU
             without it is an error when a step runs them. The engine builds its own backends with

@@ -12,8 +12,8 @@ the batch is large. A serving engine's batch moves all day, and a long ``generat
 shrinking batch.
 
 :class:`DraftGate` chooses among ``0, 1, 2, 4, ..., max`` draft tokens (0: a plain step, with no
-propose) per batch-size bucket (1, 2, 3-4, 5-8, ...). For a length ``L`` it estimates the tokens a
-request emits per second as ``(1 + A(L)) / c(L)``:
+propose) per batch-size bucket (1, 2, 3-4, 5-8, ...). For a length ``L`` it estimates its steps'
+tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per request):
 
 - ``c(L)``, a step's seconds per request at length ``L``: the mean of its last
   :data:`~DraftGate.WINDOW` measured steps, without those over :data:`~DraftGate.OUTLIER` times
@@ -88,19 +88,28 @@ class _Bucket:
         self.start = start  # the length measured first
         self.run = 0  # steps of the chosen length since the last probe
         self.run_s = 0.0  # and their seconds
-        self.probing: list[int] = []  # lengths still to measure in the current probe, in order
-        self.probe_left = 0  # steps of the first of them still to measure
+        self.probing: int | None = None  # the length a probe under way measures
+        self.probe_left = 0  # its steps still to measure
         self.probes = 0
+        self._cost: list[float | None] = [None] * len(lengths)  # measured_cost, until the window changes
+        self._best: int | None = None  # best(), until the next measured step
+
+    def measured(self, i: int, cost: float) -> None:
+        """A step at length ``i`` cost ``cost`` seconds per request: the caches are stale."""
+        self.cost[i].append(cost)
+        self._cost[i] = self._best = None
 
     def measured_cost(self, i: int) -> float:
         """The mean of length ``i``'s window, without the steps slower than :data:`DraftGate.OUTLIER`
         times its median (a compile, a capture). A mean, not a median: a drafter that often drafts
         nothing (the suffix drafter without a match) makes most steps plain-priced and the others
         dear, and both count."""
-        window = self.cost[i]
-        cut = DraftGate.OUTLIER * statistics.median(window)
-        kept = [c for c in window if c <= cut]
-        return sum(kept) / len(kept)
+        if self._cost[i] is None:
+            window = self.cost[i]
+            cut = DraftGate.OUTLIER * statistics.median(window)
+            kept = [c for c in window if c <= cut]
+            self._cost[i] = sum(kept) / len(kept)
+        return self._cost[i]
 
     def step_cost(self, i: int) -> float | None:
         """Seconds per request of a step at length ``i``: measured, else interpolated (linearly in
@@ -135,11 +144,12 @@ class _Bucket:
         return None if c is None or a is None or c <= 0 else (1.0 + a) / c
 
     def best(self) -> int:
-        """The length with the highest estimated rate (the longer on a tie); ``start`` before any."""
-        known = [i for i in range(len(self.lengths)) if self.rate(i) is not None]
-        if not known:
-            return self.start
-        return max(known, key=lambda i: (self.rate(i), i))
+        """The length with the highest estimated rate (the longer on a tie); ``start`` before any.
+        Computed once per measured step (the engine asks at every step)."""
+        if self._best is None:
+            rates = [(r, i) for i in range(len(self.lengths)) if (r := self.rate(i)) is not None]
+            self._best = max(rates)[1] if rates else self.start
+        return self._best
 
 
 class DraftGate:
@@ -174,6 +184,7 @@ class DraftGate:
     def __init__(self, max_draft: int) -> None:
         self.lengths = draft_lengths(max_draft)
         self._buckets: dict[int, _Bucket] = {}
+        self._keep = 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE)  # an older step's weight, per step
 
     def _bucket(self, key: int) -> _Bucket:
         b = self._buckets.get(key)
@@ -186,8 +197,8 @@ class DraftGate:
 
     def _next(self, b: _Bucket) -> int:
         """The length the bucket's next step takes (an index)."""
-        if b.probing:
-            return b.probing[0]
+        if b.probing is not None:
+            return b.probing
         begun = [i for i, n in enumerate(b.steps) if 0 < n < self.WARMUP]
         if begun:  # a length whose first measurement is under way: finish it
             return begun[0]
@@ -208,23 +219,26 @@ class DraftGate:
         b = self._bucket(bucket_of(batch))
         i = self.lengths.index(length)
         b.steps[i] += 1
-        b.cost[i].append(seconds / len(accepted))
-        hist: dict[int, int] = {}
+        b.measured(i, seconds / len(accepted))
+        at_least = [0] * (length + 2)  # first each count of a, then the requests with a >= t
         for a in accepted:
-            hist[a] = hist.get(a, 0) + 1
-        keep = 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE)
+            at_least[min(a, length)] += 1
+        for t in range(length - 1, -1, -1):
+            at_least[t] += at_least[t + 1]
+        upto = [0] * (length + 1)  # upto[L]: min(a, L) summed over the requests
+        for t in range(1, length + 1):
+            upto[t] = upto[t - 1] + at_least[t]
+        keep = self._keep
         for j in range(1, len(self.lengths)):
             b.accepted_sum[j] *= keep
             b.accepted_n[j] *= keep
             if j <= i:  # this step tells what every length up to its own would have had accepted
-                cap, prev = self.lengths[j], self.lengths[j - 1]
-                b.accepted_sum[j] += sum((min(a, cap) - min(a, prev)) * n for a, n in hist.items())
+                b.accepted_sum[j] += upto[self.lengths[j]] - upto[self.lengths[j - 1]]
                 b.accepted_n[j] += len(accepted)
-        if b.probing and i == b.probing[0]:
+        if i == b.probing:
             b.probe_left -= 1
             if not b.probe_left:
-                b.probing.pop(0)
-                b.probe_left = self.PROBE_STEPS if b.probing else 0
+                b.probing = None
             return
         if self._next(b) == i:  # exploiting: count towards the next probe
             b.run += 1
@@ -234,7 +248,7 @@ class DraftGate:
             if b.run >= self.PROBE_EVERY and b.run_s * self.PROBE_SHARE >= probe_s:
                 b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
                 if want != i:
-                    b.probing, b.probe_left = [want], self.PROBE_STEPS
+                    b.probing, b.probe_left = want, self.PROBE_STEPS
 
     def stats(self) -> dict:
         """Per bucket (keyed by its batch sizes, e.g. ``"5-8"``): ``draft_length``, the length its
