@@ -29,11 +29,15 @@ tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per 
   and ``A`` never falls as ``L`` grows. Every step that drafts tells about
   every shorter length, and a whole batch of requests at once: far fewer steps are needed than to
   time each length's tokens per second directly (a draft is often all accepted or none).
+  ``A`` is one estimate for every bucket: how much of a draft the target accepts is a matter of
+  the drafter and the text, not of how many requests share the step (cost is what the batch
+  changes). A bucket the batch has just reached (a ``generate`` whose batch shrinks as requests
+  finish) then decides from every step so far, not from its own first few.
 
-A new bucket first measures the length its nearest measured bucket chose (the longest where there
-is none: what the engine does without the gate) and no draft, :data:`~DraftGate.WARMUP` steps
-each, then any length whose estimate leads while its cost is still interpolated; then it takes the
-leader. Every :data:`~DraftGate.PROBE_EVERY` steps it measures, in turn, the longest draft (fresh
+A new bucket first measures the cost of the length its nearest measured bucket chose (the longest
+where there is none: what the engine does without the gate) and of no draft,
+:data:`~DraftGate.WARMUP` steps each, then of any length whose estimate leads while its cost is
+still interpolated; then it takes the leader. Every :data:`~DraftGate.PROBE_EVERY` steps it measures, in turn, the longest draft (fresh
 acceptance for every length) and no draft, :data:`~DraftGate.PROBE_STEPS` steps, so a change
 (longer contexts, text the drafter suits) is followed; a probe waits longer where its steps would
 take over :data:`~DraftGate.PROBE_SHARE` of the time since the last.
@@ -74,16 +78,55 @@ def draft_lengths(max_draft: int) -> tuple[int, ...]:
     return (0, *[1 << i for i in range(max_draft.bit_length()) if 1 << i < max_draft], max_draft)
 
 
+class _Acceptance:
+    """Accepted drafted tokens per request, per length (an index into the gate's lengths), from
+    every measured step whatever its batch size."""
+
+    def __init__(self, lengths: tuple[int, ...], keep: float) -> None:
+        self.lengths = lengths
+        self.keep = keep  # an older step's weight, per step
+        # per length L_j: min(a, L_j) - min(a, L_j-1) summed over the request-steps that drafted at
+        # least L_j, and those request-steps, each weighted by 1/2 per ACCEPT_HALF_LIFE steps since
+        self.sum = [0.0] * len(lengths)
+        self.n = [0.0] * len(lengths)
+
+    def add(self, i: int, accepted: Sequence[int]) -> None:
+        """A step drafted at most ``lengths[i]`` tokens and its requests had ``accepted`` accepted."""
+        length = self.lengths[i]
+        at_least = [0] * (length + 2)  # first each count of a, then the requests with a >= t
+        for a in accepted:
+            at_least[min(a, length)] += 1
+        for t in range(length - 1, -1, -1):
+            at_least[t] += at_least[t + 1]
+        upto = [0] * (length + 1)  # upto[L]: min(a, L) summed over the requests
+        for t in range(1, length + 1):
+            upto[t] = upto[t - 1] + at_least[t]
+        keep = self.keep
+        for j in range(1, len(self.lengths)):
+            self.sum[j] *= keep
+            self.n[j] *= keep
+            if j <= i:  # this step tells what every length up to its own would have had accepted
+                self.sum[j] += upto[self.lengths[j]] - upto[self.lengths[j - 1]]
+                self.n[j] += len(accepted)
+
+    def mean(self, i: int) -> float | None:
+        """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
+        draft); ``None`` before a step drafted that many."""
+        total = 0.0
+        for j in range(1, i + 1):  # A(L_i) = sum of the increments: each from the steps that drafted L_j
+            if self.n[j] <= 1e-9:
+                return None
+            total += self.sum[j] / self.n[j]
+        return total
+
+
 class _Bucket:
     """One batch-size bucket's measurements, per length (an index into the gate's lengths)."""
 
-    def __init__(self, lengths: tuple[int, ...], start: int) -> None:
+    def __init__(self, lengths: tuple[int, ...], start: int, acceptance: _Acceptance) -> None:
         self.lengths = lengths
         self.cost = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # seconds per request of each step
-        # per length L_j: min(a, L_j) - min(a, L_j-1) summed over the request-steps that drafted at
-        # least L_j, and those request-steps, each weighted by 1/2 per ACCEPT_HALF_LIFE steps since
-        self.accepted_sum = [0.0] * len(lengths)
-        self.accepted_n = [0.0] * len(lengths)
+        self.acceptance = acceptance  # shared by every bucket
         self.steps = [0] * len(lengths)
         self.start = start  # the length measured first
         self.run = 0  # steps of the chosen length since the last probe
@@ -92,7 +135,7 @@ class _Bucket:
         self.probe_left = 0  # its steps still to measure
         self.probes = 0
         self._cost: list[float | None] = [None] * len(lengths)  # measured_cost, until the window changes
-        self._best: int | None = None  # best(), until the next measured step
+        self._best: int | None = None  # best(), until the next measured step (of any bucket)
 
     def measured(self, i: int, cost: float) -> None:
         """A step at length ``i`` cost ``cost`` seconds per request: the caches are stale."""
@@ -127,20 +170,10 @@ class _Bucket:
         f = (self.lengths[i] - self.lengths[lo]) / (self.lengths[hi] - self.lengths[lo])
         return c_lo + f * (c_hi - c_lo)
 
-    def mean_accepted(self, i: int) -> float | None:
-        """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
-        draft); ``None`` before a step drafted that many."""
-        total = 0.0
-        for j in range(1, i + 1):  # A(L_i) = sum of the increments: each from the steps that drafted L_j
-            if self.accepted_n[j] <= 1e-9:
-                return None
-            total += self.accepted_sum[j] / self.accepted_n[j]
-        return total
-
     def rate(self, i: int) -> float | None:
         """Tokens per second per request at length ``i``: ``(1 + A) / c``; ``None`` where either part
         is unknown."""
-        c, a = self.step_cost(i), self.mean_accepted(i)
+        c, a = self.step_cost(i), self.acceptance.mean(i)
         return None if c is None or a is None or c <= 0 else (1.0 + a) / c
 
     def best(self) -> int:
@@ -184,7 +217,7 @@ class DraftGate:
     def __init__(self, max_draft: int) -> None:
         self.lengths = draft_lengths(max_draft)
         self._buckets: dict[int, _Bucket] = {}
-        self._keep = 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE)  # an older step's weight, per step
+        self._acceptance = _Acceptance(self.lengths, 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE))
 
     def _bucket(self, key: int) -> _Bucket:
         b = self._buckets.get(key)
@@ -192,7 +225,7 @@ class DraftGate:
             measured = [k for k, m in self._buckets.items() if any(m.steps)]
             near = min(measured, key=lambda k: (abs(k - key), k), default=None)
             start = self._buckets[near].best() if near is not None else len(self.lengths) - 1
-            b = self._buckets[key] = _Bucket(self.lengths, start)
+            b = self._buckets[key] = _Bucket(self.lengths, start, self._acceptance)
         return b
 
     def _next(self, b: _Bucket) -> int:
@@ -220,21 +253,9 @@ class DraftGate:
         i = self.lengths.index(length)
         b.steps[i] += 1
         b.measured(i, seconds / len(accepted))
-        at_least = [0] * (length + 2)  # first each count of a, then the requests with a >= t
-        for a in accepted:
-            at_least[min(a, length)] += 1
-        for t in range(length - 1, -1, -1):
-            at_least[t] += at_least[t + 1]
-        upto = [0] * (length + 1)  # upto[L]: min(a, L) summed over the requests
-        for t in range(1, length + 1):
-            upto[t] = upto[t - 1] + at_least[t]
-        keep = self._keep
-        for j in range(1, len(self.lengths)):
-            b.accepted_sum[j] *= keep
-            b.accepted_n[j] *= keep
-            if j <= i:  # this step tells what every length up to its own would have had accepted
-                b.accepted_sum[j] += upto[self.lengths[j]] - upto[self.lengths[j - 1]]
-                b.accepted_n[j] += len(accepted)
+        self._acceptance.add(i, accepted)
+        for other in self._buckets.values():  # every bucket's estimates read the new acceptance
+            other._best = None
         if i == b.probing:
             b.probe_left -= 1
             if not b.probe_left:
@@ -254,8 +275,8 @@ class DraftGate:
         """Per bucket (keyed by its batch sizes, e.g. ``"5-8"``): ``draft_length``, the length its
         steps take now; per length measured, ``steps`` and ``tok_s`` (its estimated tokens per
         second, ``(1 + A) / c``: tokens per request over seconds per request); per length with
-        acceptance measured, ``accepted`` (``A``, accepted drafted tokens per request); ``probes``,
-        the probes so far."""
+        acceptance measured, ``accepted`` (``A``, accepted drafted tokens per request, the same in
+        every bucket: it is measured over all of them); ``probes``, the probes so far."""
         out = {}
         for k in sorted(self._buckets):
             b = self._buckets[k]
@@ -266,7 +287,7 @@ class DraftGate:
                 "draft_length": self.lengths[b.best()],
                 "steps": {n: s for n, s in zip(self.lengths, b.steps) if s},
                 "tok_s": {n: r for n, r in rates.items() if r is not None},
-                "accepted": {n: b.mean_accepted(i) for i, n in enumerate(self.lengths)
-                             if i and b.mean_accepted(i) is not None},
+                "accepted": {n: a for i, n in enumerate(self.lengths)
+                             if i and (a := self._acceptance.mean(i)) is not None},
                 "probes": b.probes}
         return out

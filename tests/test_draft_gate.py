@@ -136,7 +136,7 @@ def test_probes_follow_acceptance_that_rises():
 def test_buckets_decide_apart_and_a_new_one_starts_from_its_nearest():
     gate = DraftGate(8)
     small = _Env(p=0.8, fixed=0.001, per_row=0.0001)  # batch 1: drafting is nearly free
-    large = _Env(p=0.5, fixed=0.3, per_row=0.01)  # batch 32: it never pays
+    large = _Env(p=0.8, fixed=0.3, per_row=0.01)  # batch 32: the same drafts never pay
     for _ in range(60):
         for batch, env in ((1, small), (32, large)):
             n = gate.draft_length(batch)
@@ -145,6 +145,22 @@ def test_buckets_decide_apart_and_a_new_one_starts_from_its_nearest():
     assert stats["1"]["draft_length"] == 8 and stats["17-32"]["draft_length"] == 0
     assert gate.draft_length(24) == 0 and gate.draft_length(64) == 0  # 33-64: starts where 17-32 settled
     assert gate.draft_length(2) == 8  # 2: starts where 1 settled
+
+
+def test_a_bucket_the_batch_shrinks_into_decides_from_every_step_so_far():
+    """Acceptance is one estimate over every bucket: a few unlucky first steps at a new batch size
+    (here none of their drafts accepted) do not turn the drafter off there."""
+    gate = DraftGate(8)
+    env = _Env(p=0.9, fixed=0.002, per_row=0.0005)
+    _drive(gate, 200, env, batch=8)
+    assert gate.stats()["5-8"]["draft_length"] == 8
+    for _ in range(2 * W):  # batch 3: its warm-up (the length 5-8 chose, then no draft), all rejected
+        n = gate.draft_length(3)
+        gate.record(3, n, [0, 0, 0], env.seconds(3, n))
+    stats = gate.stats()["3-4"]
+    assert set(stats["steps"]) == {0, 8}
+    assert stats["draft_length"] == 8 == _true_best(env, gate.lengths, batch=3)
+    assert stats["accepted"] == gate.stats()["5-8"]["accepted"]
 
 
 def test_one_slow_step_does_not_decide():
