@@ -828,8 +828,34 @@ class SpecEngine:
 
     # -- helpers -------------------------------------------------------------
     def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
-        """Append emitted tokens one by one, stopping exactly where a stop rule fires."""
-        p, new = seq.params, []
+        """Append emitted tokens, stopping exactly where a stop rule fires (the first token that
+        is an EOS, completes a stop string, reaches ``max_new_tokens`` or the context; checked in
+        that order)."""
+        p = seq.params
+        if not toks:
+            return []
+        if not p.stop:  # no text to decode: the cut is found over the token ids at once
+            n = len(seq.tokens)
+            cut = min(len(toks), max(1, p.max_new_tokens - (n - len(seq.prompt_ids))),
+                      max(1, self.target.max_context - n))
+            reason = None
+            if not p.ignore_eos:
+                eos = self.target.eos_token_ids
+                for i in range(cut):
+                    if toks[i] in eos:
+                        cut, reason = i + 1, "eos"
+                        break
+            new = list(toks[:cut])
+            seq.tokens += new
+            if reason is None:
+                if seq.num_output >= p.max_new_tokens:
+                    reason = "length"
+                elif len(seq.tokens) >= self.target.max_context:
+                    reason = "max_context"
+            if reason:
+                self._finish(seq, reason)
+            return new
+        new = []
         for tok in toks:
             seq.tokens.append(tok)
             new.append(tok)

@@ -125,27 +125,45 @@ class SuffixAutomaton:
             count: whether to record ``token`` as the continuation of the
                 current longest repeated suffix (off for separators).
         """
-        nxt, ln, link, pos = self._next, self._len, self._link, self._pos
+        self._extend((token,), count)
+
+    def _extend(self, tokens: Iterable[int], count: bool) -> None:
+        """:meth:`append` for each of ``tokens``, in one loop (the drafter's per-step work at large
+        batch: the lists and the counting are looked up once, not per token)."""
+        nxt, ln, link, pos, text, stats_of = self._next, self._len, self._link, self._pos, self.tokens, self._stats
         last = self._last
-        if count and link[last] > 0:
-            self._observe(link[last], token)
-        cur = len(ln)
-        nxt.append({})
-        ln.append(ln[last] + 1)
-        link.append(0)
-        pos.append(len(self.tokens))
-        self.tokens.append(token)
-        p = last
-        while p != -1 and token not in nxt[p]:
-            nxt[p][token] = cur
-            p = link[p]
-        if p != -1:
-            q = nxt[p][token]
-            if ln[p] + 1 == ln[q]:
-                link[cur] = q
-            else:
-                link[cur] = self._split(p, q, token)
-        self._last = cur
+        for token in tokens:
+            if count and link[last] > 0:  # the longest repeated suffix was followed by token
+                state = link[last]
+                stats = stats_of.get(state)
+                if stats is None:
+                    stats_of[state] = [1, token, 1, {token: 1}]
+                else:
+                    counts = stats[3]
+                    c = counts.get(token, 0) + 1
+                    counts[token] = c
+                    stats[0] += 1
+                    if c >= stats[2]:  # ties go to the most recent continuation
+                        stats[1] = token
+                        stats[2] = c
+            cur = len(ln)
+            nxt.append({})
+            ln.append(ln[last] + 1)
+            link.append(0)
+            pos.append(len(text))
+            text.append(token)
+            p = last
+            while p != -1 and token not in nxt[p]:
+                nxt[p][token] = cur
+                p = link[p]
+            if p != -1:
+                q = nxt[p][token]
+                if ln[p] + 1 == ln[q]:
+                    link[cur] = q
+                else:
+                    link[cur] = self._split(p, q, token)
+            last = cur
+        self._last = last
 
     def _split(self, p: int, q: int, token: int) -> int:
         """Clone ``q`` for the strings of length ``<= len[p] + 1``; return the clone."""
@@ -164,23 +182,9 @@ class SuffixAutomaton:
         link[q] = clone
         return clone
 
-    def _observe(self, state: int, token: int) -> None:
-        stats = self._stats.get(state)
-        if stats is None:
-            self._stats[state] = [1, token, 1, {token: 1}]
-            return
-        counts = stats[3]
-        c = counts.get(token, 0) + 1
-        counts[token] = c
-        stats[0] += 1
-        if c >= stats[2]:  # ties go to the most recent continuation
-            stats[1] = token
-            stats[2] = c
-
     def extend(self, tokens: Iterable[int]) -> None:
         """Append every token of ``tokens``."""
-        for t in tokens:
-            self.append(t)
+        self._extend(tokens, True)
 
     def add_separator(self) -> None:
         """Append a fresh negative token, so no match spans the boundary."""
@@ -296,10 +300,23 @@ class Matcher:
         return self.length
 
     def feed_many(self, tokens: Iterable[int]) -> int:
-        """Feed every token of ``tokens``; return the final match length."""
-        for t in tokens:
-            self.feed(t)
-        return self.length
+        """Feed every token of ``tokens``; return the final match length (:meth:`feed`'s steps in
+        one loop)."""
+        nxt, ln, link = self.sam._next, self.sam._len, self.sam._link
+        s, length = self.state, self.length
+        for token in tokens:
+            while s > 0 and length <= ln[link[s]]:  # growth split s: move to the true state
+                s = link[s]
+            while s > 0 and token not in nxt[s]:
+                s = link[s]
+                length = ln[s]
+            t = nxt[s].get(token)
+            if t is None:
+                s, length = 0, 0
+            else:
+                s, length = t, length + 1
+        self.state, self.length = s, length
+        return length
 
 
 class _Request:
@@ -476,13 +493,12 @@ class SuffixAutomatonDrafter(Drafter):
             InvalidRequestError: ``req_id`` was not started, or a token is negative.
         """
         req = self._get(req_id)
-        for t in token_ids:
-            t = int(t)
-            if t < 0:
-                raise InvalidRequestError(f"token_ids for req_id {req_id!r} must be >= 0, got {t}")
-            req.sam.append(t)
-            if req.matcher is not None:
-                req.matcher.feed(t)
+        toks = [int(t) for t in token_ids]
+        if toks and min(toks) < 0:
+            raise InvalidRequestError(f"token_ids for req_id {req_id!r} must be >= 0, got {min(toks)}")
+        req.sam.extend(toks)
+        if req.matcher is not None:
+            req.matcher.feed_many(toks)
 
     def stop_request(self, req_id: str) -> None:
         """Free the request; with ``use_global`` its response joins the global automaton.
