@@ -847,11 +847,7 @@ class SpecEngine:
                         break
             new = list(toks[:cut])
             seq.tokens += new
-            if reason is None:
-                if seq.num_output >= p.max_new_tokens:
-                    reason = "length"
-                elif len(seq.tokens) >= self.target.max_context:
-                    reason = "max_context"
+            reason = reason or self._limit_reached(seq)
             if reason:
                 self._finish(seq, reason)
             return new
@@ -862,16 +858,22 @@ class SpecEngine:
             reason = None
             if not p.ignore_eos and tok in self.target.eos_token_ids:
                 reason = "eos"
-            elif p.stop and self._hits_stop(seq):
+            elif self._hits_stop(seq):
                 reason = "stop"
-            elif seq.num_output >= p.max_new_tokens:
-                reason = "length"
-            elif len(seq.tokens) >= self.target.max_context:
-                reason = "max_context"
+            else:
+                reason = self._limit_reached(seq)
             if reason:
                 self._finish(seq, reason)
                 break
         return new
+
+    def _limit_reached(self, seq: Sequence) -> str | None:
+        """``"length"`` or ``"max_context"`` where ``seq`` has no room for another token."""
+        if seq.num_output >= seq.params.max_new_tokens:
+            return "length"
+        if len(seq.tokens) >= self.target.max_context:
+            return "max_context"
+        return None
 
     def _hits_stop(self, seq: Sequence) -> bool:
         tail = self.target.tokenizer.decode(seq.output_ids[-(8 + max(len(s) for s in seq.params.stop)):])

@@ -35,6 +35,7 @@ def test_a_steps_tokens_stop_where_one_by_one_would(prompt_len, out_len, toks, e
     finished = []
     engine = SimpleNamespace(target=SimpleNamespace(eos_token_ids=tuple(eos), max_context=max_context),
                              _finish=lambda seq, reason: finished.append(reason))
+    engine._limit_reached = lambda seq: SpecEngine._limit_reached(engine, seq)
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
     seq = Sequence("r", list(range(prompt_len)), params)
     seq.tokens += [7] * out_len

@@ -285,19 +285,7 @@ class Matcher:
 
     def feed(self, token: int) -> int:
         """Extend the stream by ``token``; return the new match length."""
-        nxt, ln, link = self.sam._next, self.sam._len, self.sam._link
-        s, length = self.state, self.length
-        while s > 0 and length <= ln[link[s]]:  # growth split s: move to the true state
-            s = link[s]
-        while s > 0 and token not in nxt[s]:
-            s = link[s]
-            length = ln[s]
-        t = nxt[s].get(token)
-        if t is None:
-            self.state, self.length = 0, 0
-        else:
-            self.state, self.length = t, length + 1
-        return self.length
+        return self.feed_many((token,))
 
     def feed_many(self, tokens: Iterable[int]) -> int:
         """Feed every token of ``tokens``; return the final match length (:meth:`feed`'s steps in
