@@ -478,7 +478,7 @@ class SuffixAutomatonDrafter(Drafter):
         """Append the tokens the target emitted for ``req_id`` this step.
 
         Raises:
-            InvalidRequestError: ``req_id`` was not started, or a token is negative.
+            InvalidRequestError: ``req_id`` was not started, or a token is negative (then none of them is appended).
         """
         req = self._get(req_id)
         toks = [int(t) for t in token_ids]
