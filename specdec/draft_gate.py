@@ -37,10 +37,12 @@ tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per 
 A new bucket first measures the cost of the length its nearest measured bucket chose (the longest
 where there is none: what the engine does without the gate) and of no draft,
 :data:`~DraftGate.WARMUP` steps each, then of any length whose estimate leads while its cost is
-still interpolated; then it takes the leader. Every :data:`~DraftGate.PROBE_EVERY` steps it measures, in turn, the longest draft (fresh
-acceptance for every length) and no draft, :data:`~DraftGate.PROBE_STEPS` steps, so a change
-(longer contexts, text the drafter suits) is followed; a probe waits longer where its steps would
-take over :data:`~DraftGate.PROBE_SHARE` of the time since the last.
+still interpolated; then it takes the leader. Every :data:`~DraftGate.PROBE_EVERY` steps it
+measures, in turn, the longest draft (fresh acceptance for every length) and no draft (only while
+its estimate is within :data:`~DraftGate.NO_DRAFT_PROBE_WITHIN` of the chosen length's),
+:data:`~DraftGate.PROBE_STEPS` steps, so a change (longer contexts, text the drafter suits) is
+followed; a probe waits longer where its steps would take over :data:`~DraftGate.PROBE_SHARE` of
+the time since the last.
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
@@ -213,6 +215,9 @@ class DraftGate:
     #: most of the time probes take: a probe waits until its steps' estimated time is at most this
     #: share of the time since the last (a slow length is probed less often)
     PROBE_SHARE = 0.05
+    #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
+    #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
+    NO_DRAFT_PROBE_WITHIN = 0.75
 
     def __init__(self, max_draft: int) -> None:
         self.lengths = draft_lengths(max_draft)
@@ -268,8 +273,16 @@ class DraftGate:
             probe_s = self.PROBE_STEPS * (b.step_cost(want) or 0.0) * len(accepted)
             if b.run >= self.PROBE_EVERY and b.run_s * self.PROBE_SHARE >= probe_s:
                 b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
-                if want != i:
+                if want != i and not (want == 0 and self._far_behind(b, i)):
                     b.probing, b.probe_left = want, self.PROBE_STEPS
+
+    def _far_behind(self, b: _Bucket, i: int) -> bool:
+        """Whether no draft's estimate is under :data:`NO_DRAFT_PROBE_WITHIN` of length ``i``'s: a
+        plain step accepts nothing by definition and its cost barely moves, so a probe of it would
+        only cost tokens. If the drafter's acceptance falls, length ``i``'s own steps show it and the
+        estimates meet again."""
+        plain, chosen = b.rate(0), b.rate(i)
+        return plain is not None and chosen is not None and plain < self.NO_DRAFT_PROBE_WITHIN * chosen
 
     def stats(self) -> dict:
         """Per bucket (keyed by its batch sizes, e.g. ``"5-8"``): ``draft_length``, the length its

@@ -133,6 +133,18 @@ def test_probes_follow_acceptance_that_rises():
     assert seq[-50:].count(8) >= 50 - P
 
 
+def test_no_draft_far_behind_is_not_probed_and_comes_back_when_drafts_stop_paying():
+    gate = DraftGate(8)
+    env = _Env(p=0.9, fixed=0.001, per_row=0.0002)  # drafting pays about 4x
+    seq = _drive(gate, 2 * W + 10 * E, env)
+    assert env.rate(8, 0) < DraftGate.NO_DRAFT_PROBE_WITHIN * env.rate(8, 8)
+    assert seq[2 * W:].count(0) == 0  # no token spent re-measuring a plain step
+    env.p, env.fixed = 0.05, 0.05  # the drafter stops paying: its own steps show it
+    seq = _drive(gate, 300, env)
+    assert gate.stats()["5-8"]["draft_length"] == 0 == _true_best(env, gate.lengths)
+    assert seq[-30:].count(0) >= 30 - P
+
+
 def test_buckets_decide_apart_and_a_new_one_starts_from_its_nearest():
     gate = DraftGate(8)
     small = _Env(p=0.8, fixed=0.001, per_row=0.0001)  # batch 1: drafting is nearly free
