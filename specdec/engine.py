@@ -828,52 +828,24 @@ class SpecEngine:
 
     # -- helpers -------------------------------------------------------------
     def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
-        """Append emitted tokens, stopping exactly where a stop rule fires (the first token that
-        is an EOS, completes a stop string, reaches ``max_new_tokens`` or the context; checked in
-        that order)."""
-        p = seq.params
-        if not toks:
-            return []
-        if not p.stop:  # no text to decode: the cut is found over the token ids at once
-            n = len(seq.tokens)
-            cut = min(len(toks), max(1, p.max_new_tokens - (n - len(seq.prompt_ids))),
-                      max(1, self.target.max_context - n))
-            reason = None
-            if not p.ignore_eos:
-                eos = self.target.eos_token_ids
-                for i in range(cut):
-                    if toks[i] in eos:
-                        cut, reason = i + 1, "eos"
-                        break
-            new = list(toks[:cut])
-            seq.tokens += new
-            reason = reason or self._limit_reached(seq)
-            if reason:
-                self._finish(seq, reason)
-            return new
-        new = []
+        """Append emitted tokens one by one, stopping exactly where a stop rule fires."""
+        p, new = seq.params, []
         for tok in toks:
             seq.tokens.append(tok)
             new.append(tok)
             reason = None
             if not p.ignore_eos and tok in self.target.eos_token_ids:
                 reason = "eos"
-            elif self._hits_stop(seq):
+            elif p.stop and self._hits_stop(seq):
                 reason = "stop"
-            else:
-                reason = self._limit_reached(seq)
+            elif seq.num_output >= p.max_new_tokens:
+                reason = "length"
+            elif len(seq.tokens) >= self.target.max_context:
+                reason = "max_context"
             if reason:
                 self._finish(seq, reason)
                 break
         return new
-
-    def _limit_reached(self, seq: Sequence) -> str | None:
-        """``"length"`` or ``"max_context"`` where ``seq`` has no room for another token."""
-        if seq.num_output >= seq.params.max_new_tokens:
-            return "length"
-        if len(seq.tokens) >= self.target.max_context:
-            return "max_context"
-        return None
 
     def _hits_stop(self, seq: Sequence) -> bool:
         tail = self.target.tokenizer.decode(seq.output_ids[-(8 + max(len(s) for s in seq.params.stop)):])

@@ -1,5 +1,5 @@
-"""Where a step's emitted tokens stop: the engine appends a step's tokens at once and must cut them
-exactly where appending them one by one would have stopped (EOS, ``max_new_tokens``, the context)."""
+"""Where a step's emitted tokens stop: the first that is an EOS, reaches ``max_new_tokens`` or fills the
+context, checked in that order; nothing after it is kept."""
 
 from __future__ import annotations
 
@@ -29,13 +29,12 @@ def _one_by_one(prompt_len, out_len, toks, eos, max_new, max_context, ignore_eos
 @given(prompt_len=st.integers(1, 20), out_len=st.integers(0, 20), toks=st.lists(st.integers(0, 9), max_size=12),
        eos=st.sets(st.integers(0, 9), max_size=3), headroom=st.integers(1, 15), ctx_room=st.integers(1, 15),
        ignore_eos=st.booleans())
-def test_a_steps_tokens_stop_where_one_by_one_would(prompt_len, out_len, toks, eos, headroom, ctx_room, ignore_eos):
+def test_a_steps_tokens_stop_at_the_first_rule_that_fires(prompt_len, out_len, toks, eos, headroom, ctx_room, ignore_eos):
     max_new = out_len + headroom  # a running request has room for at least one more token
     max_context = prompt_len + out_len + ctx_room
     finished = []
     engine = SimpleNamespace(target=SimpleNamespace(eos_token_ids=tuple(eos), max_context=max_context),
                              _finish=lambda seq, reason: finished.append(reason))
-    engine._limit_reached = lambda seq: SpecEngine._limit_reached(engine, seq)
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
     seq = Sequence("r", list(range(prompt_len)), params)
     seq.tokens += [7] * out_len
