@@ -128,7 +128,7 @@ for part in "$@"; do
         --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate --skip-hf \
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
     gputests)  # GPU tests of the drafters, sampling and triton_mla's Helix path: one line per test in the file
-      timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_sampling_kernel.py \
+      timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_draft_gate.py tests/test_sampling_kernel.py \
         tests/test_sampling_batched.py tests/test_sampling_cutoffs.py tests/test_triton_mla.py -m gpu \
         -p no:cacheprovider -rA -o addopts= 2>&1 | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" \
         | head -120 | tee "$OUT/gpu_tests_drafters.txt" ;;

@@ -97,13 +97,17 @@ class EngineConfig:
         batch_invariant: run every generation step in one graph bucket, with the KV split
             at fixed key offsets, so a token's logits do not depend on the draft length or
             on the batch (bf16 outputs then equal the null drafter's; costs padding).
-        overlap_steps: with a drafter that never drafts (the null drafter), launch the next
-            decode step before the current one's tokens reach the host: its input tokens are
-            copied on the device, so the host's work between steps overlaps the GPU. Outputs
-            are unchanged (a request that ends at a step drops the next step's token); a request
-            added meanwhile is admitted one step later. ``None`` (default): on where it helps,
-            with the null drafter on CUDA (H200, SmolLM2: 1.12x tokens/s at batch 1, 1.35x at
-            32; BENCHMARKS.md, 'Batch 8 and 32: overlapped steps and prompt graphs', with the commands); ``True``: required (an error with a drafter that drafts); ``False``: off.
+        overlap_steps: launch the next plain decode step before the current one's tokens
+            reach the host: its input tokens are copied on the device, so the host's work
+            between steps overlaps the GPU. For an engine whose steps are plain: the null
+            drafter's, or those ``draft_gate`` leaves at no draft (its drafter still hears
+            every step). Outputs are unchanged (a request that ends at a step drops the next
+            step's token); a request added meanwhile is admitted one step later. ``None``
+            (default): on where it helps, on CUDA with the null drafter or the draft gate
+            (H200, SmolLM2, null drafter: 1.12x tokens/s at batch 1, 1.35x at 32;
+            BENCHMARKS.md, 'Batch 8 and 32: overlapped steps and prompt graphs', with the
+            commands); ``True``: required (an error with a drafter that drafts and no gate);
+            ``False``: off.
         prompt_graphs: prompt-only steps of at most 512 tokens replay CUDA graphs too
             (bucketed like generation steps; the logits of each request's last token), instead
             of launching some 150 kernels from Python (H200, SmolLM2, batch 1: 1.10x tokens/s

@@ -218,6 +218,9 @@ class DraftGate:
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
     NO_DRAFT_PROBE_WITHIN = 0.75
+    #: the next step is launched ahead as a plain one only while no draft leads every other length
+    #: by this factor (:meth:`plain_next`)
+    CHAIN_MARGIN = 1.02
 
     def __init__(self, max_draft: int) -> None:
         self.lengths = draft_lengths(max_draft)
@@ -248,6 +251,34 @@ class DraftGate:
     def draft_length(self, batch: int) -> int:
         """The most tokens each request of a step of ``batch`` generating requests drafts (0: none)."""
         return self.lengths[self._next(self._bucket(bucket_of(batch)))]
+
+    def plain_next(self, batch: int) -> bool:
+        """Whether the step after the current one, of ``batch`` requests, will be plain too (no
+        draft), the current step being plain and not recorded yet: an overlapped engine then
+        launches it before the current one's tokens are known
+        (:class:`specdec.executor.OverlapExecutor`).
+
+        Answered without changing anything, and ``False`` wherever recording the current step
+        could change the choice: a probe's or first measurement's last step, a probe about to
+        start, or a leader by a margin under :data:`CHAIN_MARGIN` (one more measured plain step
+        moves its cost)."""
+        b = self._bucket(bucket_of(batch))
+        i = self._next(b)
+        if i != 0:
+            return False
+        if b.probing == 0:
+            return b.probe_left > 1
+        if b.steps[0] < self.WARMUP:  # its first measurement: plain until its last step
+            return b.steps[0] + 1 < self.WARMUP
+        if b.run + 1 >= self.PROBE_EVERY and b.probes % 2 == 0:  # a probe of the longest draft may start
+            longest = len(self.lengths) - 1
+            probe_s = self.PROBE_STEPS * (b.step_cost(longest) or 0.0) * batch
+            step_s = self.OUTLIER * b.measured_cost(0) * batch  # the most this step counts for
+            if (b.run_s + step_s) * self.PROBE_SHARE >= probe_s:
+                return False
+        plain = b.rate(0)
+        others = [r for j in range(1, len(self.lengths)) if (r := b.rate(j)) is not None]
+        return plain is not None and all(r * self.CHAIN_MARGIN <= plain for r in others)
 
     def record(self, batch: int, length: int, accepted: Sequence[int], seconds: float) -> None:
         """A measured step of ``batch`` requests at draft ``length`` (from :meth:`draft_length`):

@@ -111,15 +111,19 @@ class SpecEngine:
         # most draft tokens a request verifies per step; 0: the drafter never drafts (no slots reserved)
         self._max_draft = 0 if getattr(self.drafter, "never_drafts", False) else cfg.max_draft_tokens
         self._check_forced_backend()
+        #: draft_gate: how many tokens steps draft, per batch size, by measured tokens/s (None: max_draft_tokens)
+        self._gate = DraftGate(self._max_draft) if cfg.draft_gate and self._max_draft else None
+        self._draft_cap = self._max_draft  # the most tokens a request drafts this step (the gate's choice)
         overlap = overlap_wanted(cfg.overlap_steps, not self._max_draft, target.device.type,
-                                 type(self.drafter).__name__, cfg.max_draft_tokens, cfg.helix_cp)
+                                 type(self.drafter).__name__, cfg.max_draft_tokens, cfg.helix_cp,
+                                 draft_gate=self._gate is not None)
         self.runner = self._model_runner(overlap)
         # where a step's time goes: the drafter, the target's forward (with the one wait), verification,
         # committing the tokens (host) and the scheduler's plan (schedule and pack)
         self.timings = {"steps": 0, "draft_s": 0.0, "forward_s": 0.0, "verify_s": 0.0, "host_s": 0.0,
                         "plan_s": 0.0, "overlapped_steps": 0}
         #: how steps follow each other (:mod:`specdec.executor`): ``plain`` or ``overlap``
-        self.executor = (OverlapExecutor(self.scheduler, self.runner, target.max_context, self.timings)
+        self.executor = (OverlapExecutor(self.scheduler, self.runner, target.max_context, self.timings, self._gate)
                          if overlap else PlainExecutor())
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -133,9 +137,6 @@ class SpecEngine:
         self._plan: StepPlan | None = None  # the plan of the step under way (undone if it fails)
         self._no_draft: set[str] = set()  # requests whose drafter state failed: decoded plainly to the end
         self._warned: set[str] = set()  # requests (or "" for the engine) already warned about
-        #: draft_gate: how many tokens steps draft, per batch size, by measured tokens/s (None: max_draft_tokens)
-        self._gate = DraftGate(self._max_draft) if cfg.draft_gate and self._max_draft else None
-        self._draft_cap = self._max_draft  # the most tokens a request drafts this step (the gate's choice)
 
     def _default_num_pages(self, per_token: int) -> int:
         """Pages for ``kv_cache_bytes``, or by default for ``max_num_seqs`` requests of the whole
@@ -451,8 +452,10 @@ class SpecEngine:
 
     def _step(self) -> list[StepOutput]:
         t0, batch = time.perf_counter(), max(1, len(self.scheduler.running))
-        plan = self._plan = self.executor.take_launched()  # overlap: a decode step already under way
-        if plan is None:
+        plan = self._plan = self.executor.take_launched()  # overlap: a plain decode step already under way
+        if plan is not None:
+            self._draft_cap = 0
+        else:
             self._draft_cap = self._max_draft if self._gate is None else self._gate.draft_length(batch)
             plan = self._plan = self.scheduler.schedule(self._draft_budget)
             if not plan:

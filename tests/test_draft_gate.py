@@ -223,6 +223,47 @@ def test_steps_without_a_measurement_are_ignored():
 
 
 # -- in the engine -------------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(p=st.floats(0.05, 0.95), fixed=st.floats(0.0, 1.0), per_row=st.floats(0.0, 0.02),
+       steps=st.integers(10, 600), batch=st.sampled_from([1, 3, 8, 32]))
+def test_a_plain_step_it_promises_is_the_step_it_then_takes(p, fixed, per_row, steps, batch):
+    """``plain_next`` (an overlapped engine launches the next step ahead on it) never promises a plain
+    step the gate would not take once the current one is recorded."""
+    gate, env = DraftGate(8), _Env(p, fixed, per_row)
+    for _ in range(steps):
+        n = gate.draft_length(batch)
+        promised = gate.plain_next(batch)
+        assert not promised or n == 0
+        gate.record(batch, n, env.accepted(batch, n), env.seconds(batch, n))
+        if promised:
+            assert gate.draft_length(batch) == 0
+
+
+def test_a_gate_that_holds_no_draft_promises_nearly_every_next_plain_step():
+    gate = DraftGate(8)
+    env = _Env(p=0.3, fixed=0.5, per_row=0.01)  # a propose that costs six plain steps: plain steps win
+    plain = promised = 0
+    for _ in range(2 * W + 1500):
+        n = gate.draft_length(8)
+        if n == 0:
+            plain += 1
+            promised += gate.plain_next(8)
+        gate.record(8, n, env.accepted(8, n), env.seconds(8, n))
+    assert gate.stats()["5-8"]["draft_length"] == 0
+    assert promised >= 0.9 * plain, (promised, plain)
+
+
+def test_no_plain_step_is_promised_where_drafting_leads():
+    gate = DraftGate(8)
+    env = _Env(p=0.9, fixed=0.001, per_row=0.0005)
+    for _ in range(2 * W + 200):
+        n = gate.draft_length(8)
+        if n:
+            assert not gate.plain_next(8)
+        gate.record(8, n, env.accepted(8, n), env.seconds(8, n))
+    assert gate.stats()["5-8"]["draft_length"] == 8
+
+
 def test_draft_gate_must_be_a_bool():
     with pytest.raises(ConfigError, match="draft_gate"):
         EngineConfig(draft_gate="yes")
@@ -261,13 +302,15 @@ PROMPTS = [[1 + i, 2, 3, 4, 1 + i, 2, 3] for i in range(8)]
 
 
 @pytest.mark.parametrize("seeded", [False, True])
-def test_a_drafter_that_cannot_pay_is_left_out_and_outputs_stay_the_null_drafters(tiny, seeded):
+@pytest.mark.parametrize("overlap", [False, True])  # True: the plain steps it takes are chained
+def test_a_drafter_that_cannot_pay_is_left_out_and_outputs_stay_the_null_drafters(tiny, seeded, overlap):
     params = (SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=0.8, seed=3) if seeded
               else SamplingParams(max_new_tokens=60, ignore_eos=True))
     base = SpecEngine(tiny, NullDrafter(), max_num_seqs=8).generate(PROMPTS, params, chat=False)
     drafter = _Slow()
-    engine = SpecEngine(tiny, drafter, max_num_seqs=8, draft_gate=True)
+    engine = SpecEngine(tiny, drafter, max_num_seqs=8, draft_gate=True, overlap_steps=overlap)
     outs = engine.generate(PROMPTS, params, chat=False)
+    assert (engine.timings["overlapped_steps"] > 20) == overlap, engine.timings
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     stats = engine.draft_gate_stats["5-8"]
     assert stats["draft_length"] == 0
@@ -315,6 +358,12 @@ class _Scripted(DraftGate):
         self.asked += 1
         return self.lengths[-1] if (self.asked - 1) % (self.on + self.off) < self.on else 0
 
+    def plain_next(self, batch: int) -> bool:  # the next step, launched ahead, takes its turn
+        if self.asked % (self.on + self.off) >= self.on:
+            self.asked += 1
+            return True
+        return False
+
 
 @pytest.fixture(scope="module")
 def tiny3(tmp_path_factory):
@@ -331,13 +380,15 @@ def _block_cfg(shift: int) -> BlockDrafterConfig:
 
 @pytest.mark.parametrize("cls,shift", [(DFlashDrafter, 0), (DSparkDrafter, 1)])
 @pytest.mark.parametrize("off", [1, 7])  # 7: past the steps a propose's staged context writes can wait
-def test_a_block_drafter_left_out_of_steps_keeps_every_accepted_position(tiny3, cls, shift, off):
+@pytest.mark.parametrize("overlap", [False, True])  # True: the plain steps are launched ahead, chained
+def test_a_block_drafter_left_out_of_steps_keeps_every_accepted_position(tiny3, cls, shift, off, overlap):
     prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4], [7, 8, 9], list(range(10, 40))]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     base = SpecEngine(tiny3, NullDrafter()).generate(prompts, params, chat=False)
     drafter = cls(init_weights(BlockDrafterNet(_block_cfg(shift)), seed=1))
-    engine = SpecEngine(tiny3, drafter, max_draft_tokens=4, draft_gate=True)
-    engine._gate = gate = _Scripted(4, on=2, off=off)
+    engine = SpecEngine(tiny3, drafter, max_draft_tokens=4, draft_gate=True, overlap_steps=overlap)
+    assert engine.executor.name == ("overlap" if overlap else "plain")
+    engine._gate = engine.executor.gate = gate = _Scripted(4, on=2, off=off)
     rid = engine.add_request(prompts[0], params, chat=False)
     others = [engine.add_request(p, params, chat=False) for p in prompts[1:]]
     while engine.has_unfinished():
@@ -354,3 +405,33 @@ def test_a_block_drafter_left_out_of_steps_keeps_every_accepted_position(tiny3, 
     outs = [engine.release(r) for r in [rid, *others]]
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert gate.asked > 10 and sum(o.stats.drafted for o in outs) > 0
+    chained = engine.timings["overlapped_steps"]
+    assert (chained >= 4 if overlap and off == 7 else chained == 0), chained  # off=1: no two plain steps in a row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graph replays reuse their output "
+                    "buffers; the CPU twin is the test above with overlap=True)")
+@pytest.mark.parametrize("cls,shift", [(DFlashDrafter, 0), (DSparkDrafter, 1)])
+def test_chained_plain_steps_on_the_gpu_hand_the_drafter_each_step_s_own_hidden_states(tmp_path, cls, shift):
+    """With CUDA graphs, the step launched ahead replays into the buffers the current step's hidden
+    states sit in: the drafter must still get the current step's. Same schedule with and without
+    chaining, so same drafter context, same drafts, same acceptance, token for token (fp32)."""
+    target = tiny_llama(tmp_path, "cuda", num_hidden_layers=3, max_position_embeddings=512, initializer_range=0.3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (40, 5, 90, 17)]
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    base = SpecEngine(target, NullDrafter()).generate(prompts, params, chat=False)
+    got = {}
+    for overlap in (False, True):
+        drafter = cls(init_weights(BlockDrafterNet(_block_cfg(shift)), seed=1))
+        engine = SpecEngine(target, drafter, max_draft_tokens=4, draft_gate=True, overlap_steps=overlap,
+                            tokens_per_block=16)
+        engine._gate = engine.executor.gate = _Scripted(4, on=3, off=6)
+        outs = engine.generate(prompts, params, chat=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+        assert engine.runner.stats["graph_steps"] > 0 and drafter.stats["graph_proposes"] > 0
+        assert (engine.timings["overlapped_steps"] > 10) == overlap
+        got[overlap] = [(o.stats.accepted_lengths, o.stats.drafted) for o in outs]
+    assert got[True] == got[False]
+    assert sum(d for _, d in got[True]) > 0

@@ -32,8 +32,11 @@ def test_config_is_checked(tiny):
         EngineConfig(overlap_steps="yes")
     with pytest.raises(ConfigError, match="never drafts"):
         SpecEngine(tiny, SuffixAutomatonDrafter(), EngineConfig(overlap_steps=True))
-    # a drafter with max_draft_tokens=0 never drafts: allowed
+    # a drafter with max_draft_tokens=0 never drafts: allowed; so is one behind the draft gate (the
+    # plain steps it takes chain)
     SpecEngine(tiny, SuffixAutomatonDrafter(), EngineConfig(overlap_steps=True, max_draft_tokens=0))
+    assert SpecEngine(tiny, SuffixAutomatonDrafter(),
+                      EngineConfig(overlap_steps=True, draft_gate=True)).executor.name == "overlap"
     # default (None): on where it helps, the null drafter on CUDA; so off here on the CPU, and off
     # (not an error) with a drafter that drafts
     assert EngineConfig().overlap_steps is None
