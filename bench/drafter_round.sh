@@ -121,7 +121,7 @@ for part in "$@"; do
     gate)  # the draft gate (draft_gate=True: per batch size, the draft length measured fastest) beside the same drafters
       timeout 420 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate,dspark,dspark+gate --skip-hf \
-        --out "$OUT/e2e_gate_humaneval" 2>&1 | grep "^|\|draft gate" ;;
+        --out "$OUT/e2e_gate_humaneval" 2>&1 | grep "^|\|draft gate\|launched ahead" ;;
     gatesb)  # the same on Spec-Bench, 6 first turns per category (78)
       timeout 540 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
         --problems 0-5,10-15,20-25,30-35,40-45,50-55,60-65,70-75,80-85,160-165,240-245,320-325,400-405 \

@@ -187,7 +187,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
     per_step_ms = {k.removesuffix("_s"): 1e3 * v / steps for k, v in engine.timings.items() if k.endswith("_s")}
     return {"outputs": [list(o.token_ids) for o in outs], "time_s": t_total, "tokens": tokens,
             "forwards": sum(o.stats.target_steps for o in outs), "mean_accepted_length": sum(acc) / max(1, len(acc)),
-            "steps": engine.timings["steps"], "per_step_ms": per_step_ms, "graphs": engine.graph_stats,
+            "steps": engine.timings["steps"], "per_step_ms": per_step_ms,
+            "executor": engine.executor.name, "overlapped_steps": engine.timings["overlapped_steps"], "graphs": engine.graph_stats,
             "precaptured_graphs": precaptured, "precapture_s": precapture_s,
             "mean_context": sum(len(o.prompt_token_ids) + len(o.token_ids) / 2 for o in outs) / len(outs),
             # per request: new tokens, generation steps, tokens those steps emitted (its tau = third / second)
@@ -411,6 +412,9 @@ def main() -> None:
                 if dl.get("steps"):
                     text.append(f"- {name}: the confidence cut kept {dl['kept']:,} of {dl['drafted']:,} drafted tokens "
                                 f"over {dl['steps']:,} steps")
+                if r.get("draft_gate_stats") is not None:
+                    text.append(f"- {name}: {r['executor']} steps; {r['overlapped_steps']:,} of {r['steps']:,} "
+                                "launched ahead (the plain steps the gate takes chain)")
                 for bucket, g in (r.get("draft_gate_stats") or {}).items():
                     by = ", ".join(f"{n}: {g['steps'].get(n, 0):,} steps, {t:,.0f} tokens/s"
                                    + (f", {g['accepted'][n]:.2f} accepted" if n in g["accepted"] else "")
