@@ -596,9 +596,17 @@ def test_a_failing_compile_falls_back_to_eager(monkeypatch):
         d.on_contexts([("a", 0, 0, 3)], hidden)  # short: staged for the next propose
     with pytest.warns(RuntimeWarning, match="compiled propose failed"):
         a = staged.propose(["a"], 9)
-    assert a == plain.propose(["a"], 9)
+    _same_drafts(a, plain.propose(["a"], 9))
     assert staged.torch_compile is False and staged.stats["compile_errors"] == 1
-    assert staged.propose(["a"], 9) == plain.propose(["a"], 9)
+    _same_drafts(staged.propose(["a"], 9), plain.propose(["a"], 9))
+
+
+def _same_drafts(got, want):
+    """Same tokens; confidences equal up to float rounding (the failed compile's eager warm-up ran the
+    pass padded to two rows, whose matmuls may round differently on some CPUs)."""
+    assert [d.token_ids for d in got] == [d.token_ids for d in want]
+    for d, w in zip(got, want):
+        assert d.confidence == pytest.approx(w.confidence, rel=1e-5, abs=1e-6)
 
 
 def test_torch_compile_is_a_bool_or_none():
