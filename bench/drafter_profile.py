@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers, as pytest sees them
 
 from results_io import run_header, write_results  # noqa: E402  (bench/, the script's own folder)
 from specdec.drafters.base import Draft  # noqa: E402
