@@ -133,9 +133,10 @@ def fp8_baseline(smollm2):
 
 
 def _near_tie(target, base, spec, rel: float = 0.05) -> bool:
-    """Whether ``spec`` leaves ``base`` only where, by the exact (fp32-cache) logits, the two tokens
-    are the top two and differ by less than ``rel`` of the largest logit: a tie that E4M3 rounding
-    of K/V (about 5 % of the logit range, test above) may break either way.
+    """Whether ``spec`` leaves ``base`` only where, by the exact (fp32-cache) logits, both tokens lie
+    within ``rel`` of the largest logit (in units of the largest magnitude) below the top one: a tie
+    (of two, or of three as close, as on some CPUs) that E4M3 rounding of K/V (about 5 % of the
+    logit range, test above) may break either way.
 
     The K/V of a position is the same math on both paths but not the same bits: a verify step
     projects several rows in one matmul, a decode step one, and CPU kernels round differently by
@@ -149,8 +150,9 @@ def _near_tie(target, base, spec, rel: float = 0.05) -> bool:
     final = target_features(target, [prefix], [0], (0,), pad_to=1).final[0, -1:]
     logits = target.compute_logits(final)[0]
     gap = (logits[base.token_ids[j]] - logits[spec.token_ids[j]]).abs().item()
-    top2 = set(logits.topk(2).indices.tolist())
-    return {base.token_ids[j], spec.token_ids[j]} == top2 and gap < rel * logits.abs().max().item()
+    band = rel * logits.abs().max().item()
+    top = logits.max().item()
+    return gap < band and all(top - logits[t].item() < band for t in (base.token_ids[j], spec.token_ids[j]))
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
