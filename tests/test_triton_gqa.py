@@ -44,7 +44,7 @@ HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = triton_gqa.INTERPRETED
 # Triton 3.6's interpreter bugs are fixed for this module's tests (see triton_interp); supports()
 # refuses interpreted shapes while they are present (test_supports_refuses_a_broken_interpreter).
-pytestmark = pytest.mark.usefixtures("fixed_triton_interpreter")
+pytestmark = pytest.mark.usefixtures("fixed_triton_interpreter", "row_by_row_dot")
 # Kernels built for the GPU run on it; kernels built for the interpreter run on the CPU.
 DEVICE = "cpu" if INTERPRETED or not HAS_CUDA else "cuda"
 RUNNABLE = INTERPRETED or HAS_CUDA
@@ -310,6 +310,27 @@ def test_graph_plan_ignores_padding_requests_and_tokens(split_chunk):
     out = backend.run(plan, q, kc, vc, 32 ** -0.5, 32)
     torch.testing.assert_close(out[:4], ref, atol=1e-5, rtol=1e-5)
     assert plan.num_splits == (4 if split_chunk else None)
+
+
+@pytest.fixture
+def row_by_row_dot(monkeypatch):
+    """Under Triton's CPU interpreter ``tl.dot`` is NumPy's ``matmul``, whose OpenBLAS kernels may
+    round a row differently by how many rows the product has (seen on an AMD EPYC: a 1-row product
+    differs in the last bits from the same row inside a 16-row one). A GPU's MMA gives each row the
+    same bits whatever the other rows, and the bit-for-bit tests rest on that; so the interpreter's
+    products are taken one row at a time in this module, as the hardware's are. (A no-op on the GPU.)"""
+    if INTERPRETED:
+        import numpy as np
+
+        matmul = np.matmul
+
+        def rows(a, b, *args, **kw):
+            a = np.asarray(a)
+            if a.ndim != 2 or a.shape[0] < 2:
+                return matmul(a, b, *args, **kw)
+            return np.concatenate([matmul(a[i:i + 1], b, *args, **kw) for i in range(a.shape[0])], 0)
+
+        monkeypatch.setattr(np, "matmul", rows)
 
 
 @needs_kernels
