@@ -19,6 +19,9 @@
 #                                       # (bench/train_split.py): side by side against one kind after the other
 #   bash bench/drafter_round.sh jointcheck # ms a step: both kinds in one process (JOINT=1) against a process each
 #   bash bench/drafter_round.sh eval    # e2e on HumanEval 100-163 and Spec-Bench (carried as .evaldata/question.jsonl)
+#   bash bench/drafter_round.sh chain   # the chained plain steps of a gated engine: their GPU test (CUDA graphs), then
+#                                       # e2e on HumanEval 100-163 at batch 8 and 32, null beside DFlash with and without
+#                                       # the gate (needs only the DFlash checkpoint: fits one call with the last stash)
 #   bash bench/drafter_round.sh gate    # e2e on HumanEval 100-163, batch 1, 8, 32: each drafter with and without
 #                                       # draft_gate (+gate); gatesb: the same on 78 Spec-Bench first turns
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
@@ -118,6 +121,12 @@ for part in "$@"; do
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
         --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash,dspark,dspark+conf \
         --skip-hf --out "$OUT/e2e_specbench" 2>&1 | grep "^|" ;;
+    chain)  # a gated engine's plain steps chained (overlapped): the GPU test, then null / DFlash / DFlash + gate
+      timeout 150 python -m pytest tests/test_draft_gate.py -m gpu -p no:cacheprovider -rA -o addopts= 2>&1 \
+        | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -40 | tee "$OUT/gpu_tests_gate.txt"
+      timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 8,32 --drafters null,dflash,dflash+gate --skip-hf --out "$OUT/e2e_gate_chain" 2>&1 \
+        | grep "^|\|draft gate\|launched ahead" ;;
     gate)  # the draft gate (draft_gate=True: per batch size, the draft length measured fastest) beside the same drafters
       timeout 420 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate,dspark,dspark+gate --skip-hf \

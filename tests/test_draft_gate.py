@@ -417,14 +417,20 @@ def test_chained_plain_steps_on_the_gpu_hand_the_drafter_each_step_s_own_hidden_
     """With CUDA graphs, the step launched ahead replays into the buffers the current step's hidden
     states sit in: the drafter must still get the current step's. Same schedule with and without
     chaining, so same drafter context, same drafts, same acceptance, token for token (fp32)."""
-    target = tiny_llama(tmp_path, "cuda", num_hidden_layers=3, max_position_embeddings=512, initializer_range=0.3)
+    # the shapes the GPU's graph tests use (head_dim 16)
+    target = tiny_llama(tmp_path, "cuda", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=1024,
+                        initializer_range=0.3)
+    cfg = BlockDrafterConfig(block_size=4, shift_label=shift, target_layer_ids=(0, 2), target_hidden_size=64,
+                             vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                             intermediate_size=96)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (40, 5, 90, 17)]
+    prompts = [torch.randint(1, 63, (n,), generator=g).tolist() for n in (40, 5, 90, 17)]
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     base = SpecEngine(target, NullDrafter()).generate(prompts, params, chat=False)
     got = {}
     for overlap in (False, True):
-        drafter = cls(init_weights(BlockDrafterNet(_block_cfg(shift)), seed=1))
+        drafter = cls(init_weights(BlockDrafterNet(cfg), seed=1))
         engine = SpecEngine(target, drafter, max_draft_tokens=4, draft_gate=True, overlap_steps=overlap,
                             tokens_per_block=16)
         engine._gate = engine.executor.gate = _Scripted(4, on=3, off=6)
