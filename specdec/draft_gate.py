@@ -192,7 +192,9 @@ class DraftGate:
 
     The engine asks :meth:`draft_length` before it schedules a step (its requests draft at most that
     many tokens; at 0 the step reserves and verifies no draft slots and skips the propose) and
-    reports the step with :meth:`record` when it ran no prompt tokens.
+    reports the step with :meth:`record` when it ran no prompt tokens. An overlapped engine asks
+    :meth:`plain_next` during a plain step instead, and on a yes launches the next step, plain,
+    without asking :meth:`draft_length` for it (that step is recorded at length 0).
 
     Args:
         max_draft: the longest draft (the engine's ``max_draft_tokens``), >= 1.
@@ -258,10 +260,13 @@ class DraftGate:
         launches it before the current one's tokens are known
         (:class:`specdec.executor.OverlapExecutor`).
 
-        Answered without changing anything, and ``False`` wherever recording the current step
-        could change the choice: a probe's or first measurement's last step, a probe about to
-        start, or a leader by a margin under :data:`CHAIN_MARGIN` (one more measured plain step
-        moves its cost)."""
+        Answered without changing anything; a best effort, not a binding promise. It says
+        ``False`` where recording the current step is known to be able to change the choice: a
+        probe's or first measurement's last step, a probe that may start (unless this step ran
+        over :data:`OUTLIER` times a plain step's cost: a capture, a collector pause), no draft
+        leading by under :data:`CHAIN_MARGIN` (one more measured plain step moves its cost). A
+        wrong yes costs one plain step where the gate would have drafted (outputs never change);
+        the step after it asks :meth:`draft_length` again."""
         b = self._bucket(bucket_of(batch))
         i = self._next(b)
         if i != 0:
@@ -281,8 +286,9 @@ class DraftGate:
         return plain is not None and all(r * self.CHAIN_MARGIN <= plain for r in others)
 
     def record(self, batch: int, length: int, accepted: Sequence[int], seconds: float) -> None:
-        """A measured step of ``batch`` requests at draft ``length`` (from :meth:`draft_length`):
-        each request's accepted drafted tokens, and the step's wall time."""
+        """A measured step of ``batch`` requests at draft ``length`` (from :meth:`draft_length`, or 0
+        for a step launched ahead on :meth:`plain_next`): each request's accepted drafted tokens, and
+        the step's wall time."""
         if not seconds > 0 or length not in self.lengths or not accepted:
             return
         b = self._bucket(bucket_of(batch))

@@ -56,7 +56,9 @@ class StepInput:
 
 @dataclass(slots=True)
 class StepResult:
-    """What one forward produced; device tensors stay valid until the next step.
+    """What one forward produced; device tensors stay valid until the next step (a CUDA graph's
+    outputs until its next replay, which an overlapped executor may queue before this step's
+    commit: it copies ``hidden`` first, and nothing reads ``logits`` after the launch).
 
     Attributes:
         logits: fp32 logits of ``StepInput.rows``. ``[num_rows, vocab_size]``
