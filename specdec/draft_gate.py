@@ -275,12 +275,9 @@ class DraftGate:
             return b.probe_left > 1
         if b.steps[0] < self.WARMUP:  # its first measurement: plain until its last step
             return b.steps[0] + 1 < self.WARMUP
-        if b.run + 1 >= self.PROBE_EVERY and b.probes % 2 == 0:  # a probe of the longest draft may start
-            longest = len(self.lengths) - 1
-            probe_s = self.PROBE_STEPS * (b.step_cost(longest) or 0.0) * batch
-            step_s = self.OUTLIER * b.measured_cost(0) * batch  # the most this step counts for
-            if (b.run_s + step_s) * self.PROBE_SHARE >= probe_s:
-                return False
+        step_s = self.OUTLIER * b.measured_cost(0) * batch  # the most this step counts for
+        if self._due_probe(b, b.run + 1, b.run_s + step_s, batch) not in (None, 0):  # a probe of drafts may start
+            return False
         plain = b.rate(0)
         others = [r for j in range(1, len(self.lengths)) if (r := b.rate(j)) is not None]
         return plain is not None and all(r * self.CHAIN_MARGIN <= plain for r in others)
@@ -306,12 +303,19 @@ class DraftGate:
         if self._next(b) == i:  # exploiting: count towards the next probe
             b.run += 1
             b.run_s += seconds
-            want = len(self.lengths) - 1 if b.probes % 2 == 0 else 0  # the longest and no draft, in turn
-            probe_s = self.PROBE_STEPS * (b.step_cost(want) or 0.0) * len(accepted)
-            if b.run >= self.PROBE_EVERY and b.run_s * self.PROBE_SHARE >= probe_s:
+            want = self._due_probe(b, b.run, b.run_s, len(accepted))
+            if want is not None:
                 b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
                 if want != i and not (want == 0 and self._far_behind(b, i)):
                     b.probing, b.probe_left = want, self.PROBE_STEPS
+
+    def _due_probe(self, b: _Bucket, run: int, run_s: float, n: int) -> int | None:
+        """The length (an index) the bucket's next probe measures, the longest and no draft in turn,
+        if one is due after ``run`` steps of the chosen length that took ``run_s`` seconds (``n``
+        requests a step); ``None`` while none is."""
+        want = len(self.lengths) - 1 if b.probes % 2 == 0 else 0
+        probe_s = self.PROBE_STEPS * (b.step_cost(want) or 0.0) * n
+        return want if run >= self.PROBE_EVERY and run_s * self.PROBE_SHARE >= probe_s else None
 
     def _far_behind(self, b: _Bucket, i: int) -> bool:
         """Whether no draft's estimate is under :data:`NO_DRAFT_PROBE_WITHIN` of length ``i``'s: a
