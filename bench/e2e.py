@@ -17,7 +17,9 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
                      overlap_steps=False (+overlap: True; the default is on for null on CUDA), +conf
                      with draft_length="confidence" (drafts cut where their expected accepted tokens
                      per unit of step cost stop rising), +gate with draft_gate=True (per batch size, the
-                     draft length, 0 included, measured to emit the most tokens/s), +nofreeze with freeze_heap=False (the garbage
+                     draft length, 0 included, measured to emit the most tokens/s), +gate+plain with a gate
+                     that never drafts and chains every step (what the drafter costs the plain regime a gate
+                     can settle in; overlapped engines only), +nofreeze with freeze_heap=False (the garbage
                      collector's full passes walk the whole heap during generate); its ratio and equality are taken to
                      specdec-null with the same suffixes when the run has it
 
@@ -50,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results_io import GCPauses, format_gpu_state, gpu_state, process_state  # noqa: E402 (bench/, the script's own folder)
 
 from specdec import SamplingParams, SpecEngine  # noqa: E402
+from specdec.draft_gate import DraftGate  # noqa: E402
 from specdec.drafters import make_drafter  # noqa: E402
 from specdec.jit_stats import triton_kernels_built  # noqa: E402
 from specdec.prompts import humaneval_prompts, parse_range  # noqa: E402
@@ -129,6 +132,10 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
                              f"(corpus, {', '.join([*ENGINE_VARIANTS, *DRAFTER_VARIANTS])})")
     drafter = make_drafter(kind, **kwargs)
     engine = SpecEngine(target, drafter, max_draft_tokens=args.k, max_num_seqs=max(batch_size, 1), **engine_kw)
+    if "plain" in variants:  # the gate's plain regime alone: no step drafts, every plain step chains
+        if getattr(engine.executor, "gate", None) is None:
+            raise SystemExit(f"{drafter_name}: '+plain' needs '+gate' and an overlapped engine (CUDA)")
+        engine._gate = engine.executor.gate = _NeverDrafts(args.k)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # Untimed: every graph bucket these prompts can need, then the first batch in full (compiles kernels).
     t0 = time.perf_counter()
@@ -208,6 +215,22 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "process": process_state()}  # what earlier systems left: GC objects, threads, allocator, engines
 
 
+class _NeverDrafts(DraftGate):
+    """'+plain' (with '+gate'): a gate that never drafts and promises every next step plain, so the
+    engine runs the steady state of the plain regime a gate can settle in: the drafter attached and
+    hearing every step (``on_accepted``, ``on_contexts``), each step launched ahead of the last. Its
+    tokens/s against null's is what a drafter costs a plain step."""
+
+    def draft_length(self, batch: int) -> int:
+        return 0
+
+    def plain_next(self, batch: int) -> bool:
+        return True
+
+    def record(self, batch: int, length: int, accepted, seconds: float) -> None:
+        pass
+
+
 def _tps(r: dict) -> float:
     return r["tokens"] / r["time_s"]
 
@@ -219,6 +242,7 @@ ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": Fals
                    "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False},
                    "conf": {"draft_length": "confidence"},
                    "gate": {"draft_gate": True},  # '+gate': the draft length measured fastest per batch size
+                   "plain": {},  # '+plain' (with '+gate'): never draft, chain every step (the plain regime's cost)
                    "nofreeze": {"freeze_heap": False}}  # '+nofreeze': the collector walks the whole heap
 # drafter settings a system name may add ("dflash+compile"); ratios are to plain null. A block
 # drafter's propose is compiled by default on CUDA and not on the CPU: '+compile' / '+nocompile' force it.
@@ -281,7 +305,7 @@ def main() -> None:
                          "dspark; '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
                          "to null+nopg); '+conf' cuts drafts by confidence; '+gate' drafts, per batch size, the length "
-                         "(0 included) measured to emit the most tokens/s (draft_gate=True); '+compile' / '+nocompile' run a block drafter's "
+                         "(0 included) measured to emit the most tokens/s (draft_gate=True; '+gate+plain': never drafts, every step chained); '+compile' / '+nocompile' run a block drafter's "
                          "propose through torch.compile or not (default: compiled on CUDA; e.g. dflash+nocompile); "
                          "'+cost' / '+nocost' make the hybrid cost-aware (the default) or not; '+dflash' gives "
                          "the hybrid the shipped DFlash instead of DSpark (hybrid+dflash); '+devdrafts' leaves a "
