@@ -86,11 +86,24 @@ def old_propose(d: BlockDrafter, req_ids, max_tokens: int) -> list[Draft]:
     return [Draft(t) for t in reference_propose(d, req_ids, max_tokens)[0]]
 
 
+def load_drafter(name: str, **kwargs):
+    """A shipped drafter by name; ``NAME+unfolded`` runs its attention one query head at a time
+    (``BlockDrafterNet.fold_queries = False``), to time against the folded default in one run."""
+    base, *flags = name.split("+")
+    unknown = set(flags) - {"unfolded"}
+    if unknown:
+        raise SystemExit(f"unknown drafter flag(s) {sorted(unknown)} in {name!r} (known: unfolded)")
+    d = BlockDrafter.from_pretrained(base, **kwargs)
+    if "unfolded" in flags:
+        d.net.fold_queries = False
+    return d
+
+
 class Bench:
     """One drafter bound to the target over its own pool, with N requests' contexts."""
 
     def __init__(self, name: str, target, n: int, ctx: int, tpb: int, seed: int):
-        self.d = BlockDrafter.from_pretrained(name, device_drafts=False)  # drafts read back: compared between paths
+        self.d = load_drafter(name, device_drafts=False)  # drafts read back: compared between paths
         self.target, self.rng = target, random.Random(seed)
         c = self.d.config
         self.width = len(c.target_layer_ids) * target.hidden_size
@@ -239,7 +252,7 @@ def engine_runs(target, name: str, n: int, ctx: int, new_tokens: int,
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rows, outs = [], {}
     for path in paths:
-        d = BlockDrafter.from_pretrained(name, cuda_graphs=path != "new-eager", torch_compile=path == "new+compiled",
+        d = load_drafter(name, cuda_graphs=path != "new-eager", torch_compile=path == "new+compiled",
                                          device_drafts=False)
         if path == "old":
             d.propose = lambda r, k, d=d: old_propose(d, r, k)
@@ -272,7 +285,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--out", default="out/drafter_profile")
-    ap.add_argument("--drafters", default="smollm2-135m-dflash,smollm2-135m-dspark")
+    ap.add_argument("--drafters", default="smollm2-135m-dflash,smollm2-135m-dspark",
+                    help="shipped drafters; NAME+unfolded: attention one query head at a time (fold_queries=False)")
     ap.add_argument("--batch-sizes", default=None, help="default 1,8,32 (--quick: 1,4)")
     ap.add_argument("--ctx", type=int, default=400, help="mean context tokens per request")
     ap.add_argument("--tokens-per-block", type=int, default=16)

@@ -22,6 +22,10 @@
 #   bash bench/drafter_round.sh chain   # the chained plain steps of a gated engine: their GPU test (CUDA graphs), then
 #                                       # e2e on HumanEval 100-163 at batch 8 and 32, null beside DFlash with and without
 #                                       # the gate (needs only the DFlash checkpoint: fits one call with the last stash)
+#   bash bench/drafter_round.sh fold    # propose ms with a KV head's query heads folded into query rows (the default)
+#                                       # beside one head at a time (NAME+unfolded), batch 1, 8, 32
+#   bash bench/drafter_round.sh plain   # e2e at batch 32: null, DFlash behind a gate that never drafts (every step
+#                                       # chained: what the drafter costs a plain step), DFlash + gate; with cProfile
 #   bash bench/drafter_round.sh gate    # e2e on HumanEval 100-163, batch 1, 8, 32: each drafter with and without
 #                                       # draft_gate (+gate); gatesb: the same on 78 Spec-Bench first turns
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
@@ -127,6 +131,16 @@ for part in "$@"; do
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 8,32 --drafters null,dflash,dflash+gate --skip-hf --out "$OUT/e2e_gate_chain" 2>&1 \
         | grep "^|\|draft gate\|launched ahead" ;;
+    fold)  # the propose's attention with a KV head's query heads folded into its query rows (the default)
+           # against one head at a time, each drafter, in one run
+      timeout 300 python bench/drafter_profile.py --device cuda --batch-sizes 1,8,32 --calls 20 --warmup 6 --no-engine \
+        --drafters smollm2-135m-dflash,smollm2-135m-dflash+unfolded,smollm2-135m-dspark,smollm2-135m-dspark+unfolded \
+        --out "$OUT/fold" 2>&1 | grep "^|" ;;
+    plain)  # what a drafter costs the plain regime a gate can settle in: every step plain and chained, at batch 32,
+            # beside null and the gate itself, with the host's functions under cProfile (an untimed second pass)
+      timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+gate --skip-hf --cprofile 32 \
+        --out "$OUT/e2e_plain" 2>&1 | grep "^|\|draft gate\|launched ahead" ;;
     gate)  # the draft gate (draft_gate=True: per batch size, the draft length measured fastest) beside the same drafters
       timeout 420 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate,dspark,dspark+gate --skip-hf \

@@ -250,6 +250,51 @@ def test_forward_block_is_unchanged(kind):
                                    rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(kv_heads=hst.integers(1, 3), group=hst.integers(1, 4), block=hst.integers(2, 6), n=hst.integers(1, 4),
+       ctx=hst.integers(0, 19), seed=hst.integers(0, 2**16))
+def test_folded_queries_attend_as_one_head_at_a_time(kv_heads, group, block, n, ctx, seed):
+    """A block whose queries all see the same keys runs a KV head's query heads as more query rows
+    (``BlockDrafterNet.fold_queries``): the same hidden states as one head at a time, whatever the
+    heads, block, requests and context (some requests with no context key at all)."""
+    c = BlockDrafterConfig(block_size=block, shift_label=1, target_layer_ids=(0,), target_hidden_size=16, vocab_size=VOCAB,
+                           hidden_size=16, num_layers=2, num_heads=kv_heads * group, num_kv_heads=kv_heads,
+                           head_dim=4, intermediate_size=24)
+    net = init_weights(BlockDrafterNet(c), seed=seed % 7, std=0.3)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, block, 16, generator=g)
+    pos = torch.randint(0, 40, (n, 1), generator=g) + torch.arange(block)
+    valid = torch.rand(n, ctx, generator=g) > 0.4
+    with torch.no_grad():
+        feats = net.project_context(torch.randn(n, ctx, 16, generator=g))
+        ctx_kv = [net.context_kv(i, feats, torch.arange(ctx)) for i in range(c.num_layers)]
+        folded = net.forward_block(x, pos, ctx_kv, valid)
+        net.fold_queries = False
+        apart = net.forward_block(x, pos, ctx_kv, valid)
+    torch.testing.assert_close(folded, apart, rtol=1e-5, atol=1e-5)
+
+
+def test_per_query_masks_are_not_folded():
+    """Training's masks differ by query (each anchor's block sees the context before it): those run
+    one head at a time, and give what each block run alone gives."""
+    net = make_drafter("dflash").net
+    c, B, Lc = net.config, net.config.block_size, 9
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2 * B, HIDDEN, generator=g)  # two blocks of one sequence, as training runs them
+    anchors = torch.tensor([[3, 7]])
+    with torch.no_grad():
+        feats = net.project_context(torch.randn(1, Lc, 2 * HIDDEN, generator=g))
+        ctx_kv = [net.context_kv(i, feats, torch.arange(Lc)) for i in range(c.num_layers)]
+        pos = (anchors[..., None] + torch.arange(B)).flatten(1)
+        from specdec.drafters.training import anchor_block_mask
+
+        both = net.run_block(x, rope_cos_sin(pos, c.head_dim, c.rope_theta), ctx_kv, anchor_block_mask(anchors, B, Lc))
+        for j, a in enumerate(anchors[0].tolist()):
+            alone = net.forward_block(x[:, j * B:(j + 1) * B], a + torch.arange(B)[None], ctx_kv,
+                                      torch.arange(Lc)[None] < a)
+            torch.testing.assert_close(both[:, j * B:(j + 1) * B], alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tpb,shared", [(4, False), (16, False), (8, True)])
 def test_propose_equals_the_old_algorithm(kind, tpb, shared):

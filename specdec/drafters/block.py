@@ -268,6 +268,13 @@ class _Layer(nn.Module):
 class BlockDrafterNet(nn.Module):
     """The trainable part of a block drafter (fc, hidden_norm, layers, norm)."""
 
+    #: where every query of a block sees the same keys (the drafter's propose: its mask is
+    #: ``[N, 1, 1, keys]``) and a KV head serves several query heads, :meth:`run_block` runs those
+    #: query heads as more query rows of the KV head (``[N, Hkv, B * G, hd]``): the same attention,
+    #: in G times fewer and G times fuller tiles of the attention kernel than ``B`` rows of each
+    #: of ``H`` heads. ``False``: one head at a time (``enable_gqa``), for comparison.
+    fold_queries = True
+
     def __init__(self, config: BlockDrafterConfig):
         super().__init__()
         c = self.config = config
@@ -367,6 +374,8 @@ class BlockDrafterNet(nn.Module):
         c = self.config
         N, B, _ = x.shape
         H, Hkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        G = H // Hkv  # query heads per KV head (torch's GQA: query head h reads KV head h // G)
+        fold = self.fold_queries and G > 1 and mask.shape[-2] == 1  # see fold_queries
         for i, (L, (kc, vc)) in enumerate(zip(self.layers, ctx_kv)):
             a = L.self_attn
             h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
@@ -381,9 +390,15 @@ class BlockDrafterNet(nn.Module):
             q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
             k = torch.cat([kc.expand(N, -1, -1, -1).to(k.dtype), k], 1).transpose(1, 2)  # [N, Hkv, Lc + B, hd]
             v = torch.cat([vc.expand(N, -1, -1, -1).to(v.dtype), v], 1).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
-                                               enable_gqa=H != Hkv)  # [N, H, B, hd]
-            x = x + a.o_proj(o.transpose(1, 2).reshape(N, B, -1))
+            if fold:  # [N, B, Hkv, G, hd] -> [N, Hkv, B * G, hd]: one KV head's queries together
+                qf = q.reshape(N, B, Hkv, G, hd).permute(0, 2, 1, 3, 4).reshape(N, Hkv, B * G, hd)
+                o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask)  # [N, Hkv, B * G, hd]
+                o = o.view(N, Hkv, B, G, hd).permute(0, 2, 1, 3, 4).reshape(N, B, H * hd)
+            else:
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                                   enable_gqa=H != Hkv)  # [N, H, B, hd]
+                o = o.transpose(1, 2).reshape(N, B, H * hd)
+            x = x + a.o_proj(o)
             x = x + mlp(L.mlp, _rms(x, L.post_attention_layernorm.weight, c.rms_norm_eps))
         return _rms(x, self.norm.weight, c.rms_norm_eps)
 
