@@ -444,7 +444,8 @@ def main() -> None:
                                    + (f", {g['accepted'][n]:.2f} accepted" if n in g["accepted"] else "")
                                    for n, t in g["tok_s"].items())
                     text.append(f"- {name}: the draft gate at batch {bucket}: draft length {g['draft_length']} "
-                                f"(by length: steps, estimated tokens/s, accepted drafts per request: {by})")
+                                f"(by length: steps, estimated tokens/s, accepted drafts per request: {by}; "
+                                f"{g.get('chained', 0):,} plain steps chained)")
                 hs = r.get("hybrid_stats")
                 if hs:
                     text.append(f"- {name}: drafts taken from the learned drafter {hs['learned']:,}, from the suffix "

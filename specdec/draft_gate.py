@@ -44,6 +44,14 @@ its estimate is within :data:`~DraftGate.NO_DRAFT_PROBE_WITHIN` of the chosen le
 followed; a probe waits longer where its steps would take over :data:`~DraftGate.PROBE_SHARE` of
 the time since the last.
 
+Where the engine chains plain steps (an overlapped engine launches a plain step before the last
+one's tokens reach the host, on :meth:`DraftGate.plain_next`), a chained plain step costs less than
+one that is not: its host work hides behind the GPU's. A plain regime is nearly all chained steps,
+but the first after a drafting step, every warm-up's and probe's first, cannot be. The gate keeps
+the two apart (``record(..., ahead=True)``) and prices no draft at the chained steps' cost where that
+leads every drafting length by :data:`~DraftGate.CHAIN_MARGIN` (where the engine would chain them),
+else at the other steps' cost.
+
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
 ``on_contexts``), so it drafts from the right context when it is asked again. Only steps without
@@ -128,8 +136,14 @@ class _Bucket:
     def __init__(self, lengths: tuple[int, ...], start: int, acceptance: _Acceptance) -> None:
         self.lengths = lengths
         self.cost = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # seconds per request of each step
+        # plain steps launched ahead of the last (chained: their host work hides behind the GPU's);
+        # cost[0] holds the plain steps that were not (the first after a drafting step, or any where
+        # the engine does not chain)
+        self.chained = deque(maxlen=DraftGate.WINDOW)
+        self._chained_cost: float | None = None
         self.acceptance = acceptance  # shared by every bucket
         self.steps = [0] * len(lengths)
+        self.chained_steps = 0  # of steps[0]: the plain steps launched ahead of the last
         self.start = start  # the length measured first
         self.run = 0  # steps of the chosen length since the last probe
         self.run_s = 0.0  # and their seconds
@@ -139,10 +153,24 @@ class _Bucket:
         self._cost: list[float | None] = [None] * len(lengths)  # measured_cost, until the window changes
         self._best: int | None = None  # best(), until the next measured step (of any bucket)
 
-    def measured(self, i: int, cost: float) -> None:
-        """A step at length ``i`` cost ``cost`` seconds per request: the caches are stale."""
+    def measured(self, i: int, cost: float, ahead: bool = False) -> None:
+        """A step at length ``i`` cost ``cost`` seconds per request (``ahead``: a plain step launched
+        ahead of the last, chained): the caches are stale."""
+        if i == 0 and ahead:
+            self.chained.append(cost)
+            self._chained_cost = self._best = None
+            return
         self.cost[i].append(cost)
         self._cost[i] = self._best = None
+
+    def chained_cost(self) -> float | None:
+        """Seconds per request of a chained plain step (the mean of its window, outliers left out as
+        in :meth:`measured_cost`); ``None`` before one."""
+        if self._chained_cost is None and self.chained:
+            cut = DraftGate.OUTLIER * statistics.median(self.chained)
+            kept = [c for c in self.chained if c <= cut]
+            self._chained_cost = sum(kept) / len(kept)
+        return self._chained_cost
 
     def measured_cost(self, i: int) -> float:
         """The mean of length ``i``'s window, without the steps slower than :data:`DraftGate.OUTLIER`
@@ -161,6 +189,8 @@ class _Bucket:
         the length) from the nearest measured lengths around it, else ``None``."""
         if self.cost[i]:
             return self.measured_cost(i)
+        if i == 0 and self.chained:  # only chained plain steps so far (a bucket a chained step began)
+            return self.chained_cost()
         below = [j for j in range(i) if self.cost[j]]
         above = [j for j in range(i + 1, len(self.lengths)) if self.cost[j]]
         if not below and not above:
@@ -174,9 +204,25 @@ class _Bucket:
 
     def rate(self, i: int) -> float | None:
         """Tokens per second per request at length ``i``: ``(1 + A) / c``; ``None`` where either part
-        is unknown."""
+        is unknown. No draft (``i = 0``): :meth:`plain_rate`."""
+        if i == 0:
+            return self.plain_rate()
         c, a = self.step_cost(i), self.acceptance.mean(i)
         return None if c is None or a is None or c <= 0 else (1.0 + a) / c
+
+    def plain_rate(self) -> float | None:
+        """Tokens per second per request of the plain steps the gate would run. Chained ones where
+        they lead every drafting length by :data:`DraftGate.CHAIN_MARGIN` (then
+        :meth:`DraftGate.plain_next` promises the next step plain and the engine chains them: a
+        plain regime is nearly all chained steps, its first is the only one that is not); else the
+        steps that were not chained (the engine does not chain short of that lead)."""
+        chained = self.chained_cost()
+        if chained is not None and chained > 0:
+            others = [r for j in range(1, len(self.lengths)) if (r := self.rate(j)) is not None]
+            if all(r * DraftGate.CHAIN_MARGIN <= 1.0 / chained for r in others):
+                return 1.0 / chained
+        c = self.step_cost(0)
+        return None if c is None or c <= 0 else 1.0 / c
 
     def best(self) -> int:
         """The length with the highest estimated rate (the longer on a tie); ``start`` before any.
@@ -275,23 +321,25 @@ class DraftGate:
             return b.probe_left > 1
         if b.steps[0] < self.WARMUP:  # its first measurement: plain until its last step
             return b.steps[0] + 1 < self.WARMUP
-        step_s = self.OUTLIER * b.measured_cost(0) * batch  # the most this step counts for
+        step_s = self.OUTLIER * b.step_cost(0) * batch  # the most this step counts for
         if self._due_probe(b, b.run + 1, b.run_s + step_s, batch) not in (None, 0):  # a probe of drafts may start
             return False
         plain = b.rate(0)
         others = [r for j in range(1, len(self.lengths)) if (r := b.rate(j)) is not None]
         return plain is not None and all(r * self.CHAIN_MARGIN <= plain for r in others)
 
-    def record(self, batch: int, length: int, accepted: Sequence[int], seconds: float) -> None:
+    def record(self, batch: int, length: int, accepted: Sequence[int], seconds: float, ahead: bool = False) -> None:
         """A measured step of ``batch`` requests at draft ``length`` (from :meth:`draft_length`, or 0
-        for a step launched ahead on :meth:`plain_next`): each request's accepted drafted tokens, and
-        the step's wall time."""
+        for a step launched ahead on :meth:`plain_next`): each request's accepted drafted tokens, the
+        step's wall time, and whether it was launched ahead of the last (``ahead``: chained; its
+        cost is kept apart, see :meth:`_Bucket.plain_rate`)."""
         if not seconds > 0 or length not in self.lengths or not accepted:
             return
         b = self._bucket(bucket_of(batch))
         i = self.lengths.index(length)
         b.steps[i] += 1
-        b.measured(i, seconds / len(accepted))
+        b.chained_steps += ahead and i == 0
+        b.measured(i, seconds / len(accepted), ahead and i == 0)
         self._acceptance.add(i, accepted)
         for other in self._buckets.values():  # every bucket's estimates read the new acceptance
             other._best = None
@@ -328,9 +376,11 @@ class DraftGate:
     def stats(self) -> dict:
         """Per bucket (keyed by its batch sizes, e.g. ``"5-8"``): ``draft_length``, the length its
         steps take now; per length measured, ``steps`` and ``tok_s`` (its estimated tokens per
-        second, ``(1 + A) / c``: tokens per request over seconds per request); per length with
-        acceptance measured, ``accepted`` (``A``, accepted drafted tokens per request, the same in
-        every bucket: it is measured over all of them); ``probes``, the probes so far."""
+        second, ``(1 + A) / c``: tokens per request over seconds per request; for no draft, that of
+        the plain steps the gate would run, :meth:`_Bucket.plain_rate`); per length with acceptance
+        measured, ``accepted`` (``A``, accepted drafted tokens per request, the same in every bucket:
+        it is measured over all of them); ``chained``, the plain steps launched ahead of the last;
+        ``probes``, the probes so far."""
         out = {}
         for k in sorted(self._buckets):
             b = self._buckets[k]
@@ -343,5 +393,6 @@ class DraftGate:
                 "tok_s": {n: r for n, r in rates.items() if r is not None},
                 "accepted": {n: a for i, n in enumerate(self.lengths)
                              if i and (a := self._acceptance.mean(i)) is not None},
+                "chained": b.chained_steps,
                 "probes": b.probes}
         return out

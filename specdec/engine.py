@@ -453,7 +453,8 @@ class SpecEngine:
     def _step(self) -> list[StepOutput]:
         t0, batch = time.perf_counter(), max(1, len(self.scheduler.running))
         plan = self._plan = self.executor.take_launched()  # overlap: a plain decode step already under way
-        if plan is not None:
+        ahead = plan is not None
+        if ahead:
             self._draft_cap = 0
         else:
             self._draft_cap = self._max_draft if self._gate is None else self._gate.draft_length(batch)
@@ -474,7 +475,7 @@ class SpecEngine:
         self.executor.settle()
         if self._gate is not None and not plan.context:  # a prompt chunk's compute would swamp the comparison
             self._gate.record(batch, self._draft_cap, [max(0, len(o.new_token_ids) - 1) for o in outs],
-                              time.perf_counter() - t0)
+                              time.perf_counter() - t0, ahead=ahead)
         return outs
 
     def _undo_step(self) -> None:

@@ -264,6 +264,72 @@ def test_no_plain_step_is_promised_where_drafting_leads():
     assert gate.stats()["5-8"]["draft_length"] == 8
 
 
+class _Chaining(_Env):
+    """:class:`_Env` in an engine that chains: a plain step launched ahead of the last costs
+    ``chained`` times a plain step that is not (its host work hides behind the GPU's)."""
+
+    def __init__(self, p: float, fixed: float, per_row: float, chained: float, plain: float = 0.01):
+        super().__init__(p, fixed, per_row, plain)
+        self.chained = chained
+
+    def step_seconds(self, batch: int, length: int, ahead: bool) -> float:
+        return self.seconds(batch, length) * (self.chained if ahead else 1.0)
+
+
+def _drive_chaining(gate: DraftGate, steps: int, env: _Chaining, batch: int = 8, tell: bool = True,
+                    check_promises: bool = False) -> list[int]:
+    """As an overlapped engine runs the gate: a step is launched ahead (chained) when the gate
+    promised it plain during the last one; ``tell``: the gate hears which were (``ahead``)."""
+    out, ahead = [], False
+    for _ in range(steps):
+        n = 0 if ahead else gate.draft_length(batch)
+        promised = n == 0 and gate.plain_next(batch)
+        gate.record(batch, n, env.accepted(batch, n), env.step_seconds(batch, n, ahead), **({"ahead": ahead} if tell else {}))
+        if check_promises and promised:
+            assert gate.draft_length(batch) == 0
+        out.append(n)
+        ahead = promised
+    return out
+
+
+def test_chained_plain_steps_are_priced_apart_from_the_first_of_a_run():
+    """Chained plain steps cost 0.4 of an unchained one; drafting 8 tokens lies between the two.
+    Told which steps were chained, the gate settles on plain steps, nearly all chained; mixing both
+    kinds into one cost (the first of every run of plain steps is unchained), it keeps drafting."""
+    env = _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4)
+    plain_u = env.rate(8, 0)  # an unchained plain step's tokens/s, and a chained one's, against 8 drafts
+    assert plain_u < max(env.rate(8, n) for n in (1, 2, 4, 8)) == env.rate(8, 8) < plain_u / 0.4
+    told = _drive_chaining(DraftGate(8), 2 * W + 600, env)
+    mixed = _drive_chaining(DraftGate(8), 2 * W + 600, _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4),
+                            tell=False)
+    assert told[-300:].count(0) > 0.9 * 300, told[-300:]
+    assert mixed[-300:].count(0) < 0.2 * 300, mixed[-300:]
+
+
+def test_unchained_plain_steps_price_no_draft_short_of_the_margin():
+    """Where chained plain steps would lead by less than CHAIN_MARGIN, the engine would not chain
+    them: no draft is priced at the unchained steps' cost and the gate drafts."""
+    gate = DraftGate(8)
+    env = _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4)
+    _drive_chaining(gate, 2 * W, env)
+    b = gate._buckets[bucket_of(8)]
+    chained, others = 1 / b.chained_cost(), [b.rate(j) for j in range(1, len(gate.lengths)) if b.rate(j)]
+    assert chained >= DraftGate.CHAIN_MARGIN * max(others) and b.rate(0) == chained
+    b.chained.clear()
+    b.chained.append(1 / (max(others) * 1.01))  # a lead of 1 %: under the margin
+    b._chained_cost = b._best = None
+    assert b.rate(0) == pytest.approx(1 / b.measured_cost(0)) and b.rate(0) < max(others)
+    assert gate.draft_length(8) != 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.floats(0.05, 0.95), fixed=st.floats(0.0, 1.0), per_row=st.floats(0.0, 0.02),
+       chained=st.floats(0.2, 1.0), steps=st.integers(10, 500), batch=st.sampled_from([1, 3, 8, 32]))
+def test_a_chaining_engine_is_promised_only_plain_steps_the_gate_takes(p, fixed, per_row, chained, steps, batch):
+    """The promise property (above) where promised steps are chained and cheaper."""
+    _drive_chaining(DraftGate(8), steps, _Chaining(p, fixed, per_row, chained), batch, check_promises=True)
+
+
 def test_draft_gate_must_be_a_bool():
     with pytest.raises(ConfigError, match="draft_gate"):
         EngineConfig(draft_gate="yes")
@@ -317,6 +383,8 @@ def test_a_drafter_that_cannot_pay_is_left_out_and_outputs_stay_the_null_drafter
     drafted = sum(n for k, n in stats["steps"].items() if k)
     assert stats["steps"][0] > 2 * drafted, stats
     assert drafter.proposes <= drafted + 2  # a plain step does not call propose
+    # the engine tells the gate which plain steps were launched ahead of the last
+    assert (stats["chained"] > stats["steps"][0] // 2) if overlap else stats["chained"] == 0, stats
 
 
 def test_a_drafter_that_pays_keeps_drafting(tiny):
