@@ -26,6 +26,7 @@
 #                                       # beside one head at a time (NAME+unfolded), batch 1, 8, 32
 #   bash bench/drafter_round.sh plain   # e2e at batch 32: null, DFlash behind a gate that never drafts (every step
 #                                       # chained: what the drafter costs a plain step), DFlash + gate; with cProfile
+#   OTHER=DIR bash bench/drafter_round.sh other # e2e at batch 1 and 32: the shipped DFlash beside the checkpoint in DIR
 #   bash bench/drafter_round.sh gate    # e2e on HumanEval 100-163, batch 1, 8, 32: each drafter with and without
 #                                       # draft_gate (+gate); gatesb: the same on 78 Spec-Bench first turns
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
@@ -141,6 +142,11 @@ for part in "$@"; do
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+gate --skip-hf --cprofile 32 \
         --out "$OUT/e2e_plain" 2>&1 | grep "^|\|draft gate\|launched ahead" ;;
+    other)  # the shipped DFlash beside another DFlash checkpoint ($OTHER, a folder carried along), batch 1 and 32
+      [ -n "${OTHER:-}" ] || { echo "other: set OTHER to a DFlash checkpoint folder"; exit 1; }
+      timeout 400 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes "${BATCHES:-1,32}" --drafters "null,dflash,dflash@$OTHER" --skip-hf \
+        --out "$OUT/e2e_other" 2>&1 | grep "^|" ;;
     gate)  # the draft gate (draft_gate=True: per batch size, the draft length measured fastest) beside the same drafters
       timeout 420 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate,dspark,dspark+gate --skip-hf \

@@ -107,7 +107,12 @@ def run_hf(model, tok, prompt_ids, args, lookup: int | None, batch_size: int = 1
 
 def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engine_kw):
     kind, *variants = drafter_name.split("+")
+    kind, _, checkpoint = kind.partition("@")  # 'dflash@FOLDER': a block drafter from another checkpoint
     kwargs = {"max_draft_tokens": args.k, **json.loads(args.suffix_kwargs)} if kind == "suffix" else {}
+    if checkpoint:
+        if kind not in ("dflash", "dspark", "dspark_mla"):
+            raise SystemExit(f"{drafter_name}: '@FOLDER' needs a block drafter (dflash, dspark, dspark_mla)")
+        kwargs["net"] = checkpoint
     for variant in variants:
         if variant == "corpus":  # e.g. responses to other prompts (a server's history)
             if kind != "suffix" or not args.suffix_corpus:
@@ -302,7 +307,7 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for HF")
     ap.add_argument("--drafters", default="null,suffix",
                     help="comma-separated: null, suffix, suffix+corpus (preloaded with --suffix-corpus), dflash, "
-                         "dspark; '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
+                         "dspark (dflash@FOLDER: from that checkpoint folder instead of the shipped one); '+pg' / '+nopg' set prompt_graphs=True / False and '+overlap' / '+nooverlap' "
                          "overlap_steps=True / False for one system (e.g. null+nopg,suffix+nopg: ratios are then "
                          "to null+nopg); '+conf' cuts drafts by confidence; '+gate' drafts, per batch size, the length "
                          "(0 included) measured to emit the most tokens/s (draft_gate=True; '+gate+plain': never drafts, every step chained); '+compile' / '+nocompile' run a block drafter's "
