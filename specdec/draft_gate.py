@@ -48,9 +48,9 @@ Where the engine chains plain steps (an overlapped engine launches a plain step 
 one's tokens reach the host, on :meth:`DraftGate.plain_next`), a chained plain step costs less than
 one that is not: its host work hides behind the GPU's. A plain regime is nearly all chained steps,
 but the first after a drafting step, every warm-up's and probe's first, cannot be. The gate keeps
-the two apart (``record(..., ahead=True)``) and prices no draft at the chained steps' cost where that
-leads every drafting length by :data:`~DraftGate.CHAIN_MARGIN` (where the engine would chain them),
-else at the other steps' cost.
+the two apart (``record(..., ahead=True)``) and prices no draft at the chained steps' cost while the
+engine chains (until a plain step it would have promised is not chained: requests waiting, a
+preemption), else at the other steps' cost.
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
@@ -141,6 +141,12 @@ class _Bucket:
         # the engine does not chain)
         self.chained = deque(maxlen=DraftGate.WINDOW)
         self._chained_cost: float | None = None
+        # whether the engine chains this bucket's plain steps now: set by a chained plain step, cleared
+        # by an unchained plain step after one the gate would have promised (DraftGate.plain_next): the
+        # engine declined (requests waiting, a preemption, a request's last token), so the chained
+        # cost is not used where steps do not chain
+        self.chaining = False
+        self.would_promise = False  # plain_next's answer during the last recorded step
         self.acceptance = acceptance  # shared by every bucket
         self.steps = [0] * len(lengths)
         self.chained_steps = 0  # of steps[0]: the plain steps launched ahead of the last
@@ -159,9 +165,12 @@ class _Bucket:
         if i == 0 and ahead:
             self.chained.append(cost)
             self._chained_cost = self._best = None
-            return
-        self.cost[i].append(cost)
-        self._cost[i] = self._best = None
+            self.chaining = True
+        else:
+            self.cost[i].append(cost)
+            self._cost[i] = self._best = None
+            if i == 0 and self.would_promise:  # promised, yet not chained: the engine does not chain now
+                self.chaining = False
 
     def chained_cost(self) -> float | None:
         """Seconds per request of a chained plain step (the mean of its window, outliers left out as
@@ -191,14 +200,15 @@ class _Bucket:
             return self.measured_cost(i)
         if i == 0 and self.chained:  # only chained plain steps so far (a bucket a chained step began)
             return self.chained_cost()
-        below = [j for j in range(i) if self.cost[j]]
-        above = [j for j in range(i + 1, len(self.lengths)) if self.cost[j]]
+        measured = [j for j in range(len(self.lengths)) if self.cost[j] or (j == 0 and self.chained)]
+        below = [j for j in measured if j < i]
+        above = [j for j in measured if j > i]
         if not below and not above:
             return None
         if not below or not above:  # outside what was measured: the nearest measured cost
-            return self.measured_cost((below or above)[-1 if below else 0])
+            return self.step_cost((below or above)[-1 if below else 0])
         lo, hi = below[-1], above[0]
-        c_lo, c_hi = self.measured_cost(lo), self.measured_cost(hi)
+        c_lo, c_hi = self.step_cost(lo), self.step_cost(hi)
         f = (self.lengths[i] - self.lengths[lo]) / (self.lengths[hi] - self.lengths[lo])
         return c_lo + f * (c_hi - c_lo)
 
@@ -211,17 +221,17 @@ class _Bucket:
         return None if c is None or a is None or c <= 0 else (1.0 + a) / c
 
     def plain_rate(self) -> float | None:
-        """Tokens per second per request of the plain steps the gate would run. Chained ones where
-        they lead every drafting length by :data:`DraftGate.CHAIN_MARGIN` (then
-        :meth:`DraftGate.plain_next` promises the next step plain and the engine chains them: a
-        plain regime is nearly all chained steps, its first is the only one that is not); else the
-        steps that were not chained (the engine does not chain short of that lead)."""
+        """Tokens per second per request of the plain steps the gate would run: the chained ones'
+        while the engine chains this bucket's plain steps (a plain regime is nearly all chained
+        steps, its first is the only one that is not; :meth:`DraftGate.plain_next` promises the next
+        one plain while no draft leads at all, once chained); else those of the steps that were not
+        chained. The engine stops chaining where it declines a promised
+        step (requests waiting, a preemption): an unchained plain step after a step the gate would
+        have promised shows it."""
         chained = self.chained_cost()
-        if chained is not None and chained > 0:
-            others = [r for j in range(1, len(self.lengths)) if (r := self.rate(j)) is not None]
-            if all(r * DraftGate.CHAIN_MARGIN <= 1.0 / chained for r in others):
-                return 1.0 / chained
-        c = self.step_cost(0)
+        if self.chaining and chained is not None and chained > 0:
+            return 1.0 / chained
+        c = self.measured_cost(0) if self.cost[0] else self.step_cost(0)
         return None if c is None or c <= 0 else 1.0 / c
 
     def best(self) -> int:
@@ -266,8 +276,8 @@ class DraftGate:
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
     NO_DRAFT_PROBE_WITHIN = 0.75
-    #: the next step is launched ahead as a plain one only while no draft leads every other length
-    #: by this factor (:meth:`plain_next`)
+    #: plain steps start to be launched ahead only where no draft leads every other length by this
+    #: factor; once they chain, while it leads at all (:meth:`plain_next`)
     CHAIN_MARGIN = 1.02
 
     def __init__(self, max_draft: int) -> None:
@@ -310,7 +320,8 @@ class DraftGate:
         ``False`` where recording the current step is known to be able to change the choice: a
         probe's or first measurement's last step, a probe that may start (unless this step ran
         over :data:`OUTLIER` times a plain step's cost: a capture, a collector pause), no draft
-        leading by under :data:`CHAIN_MARGIN` (one more measured plain step moves its cost). A
+        leading by under :data:`CHAIN_MARGIN` while plain steps do not chain yet (one more
+        measured plain step moves its cost; once they chain, a lead of any size will do). A
         wrong yes costs one plain step where the gate would have drafted (outputs never change);
         the step after it asks :meth:`draft_length` again."""
         b = self._bucket(bucket_of(batch))
@@ -326,7 +337,11 @@ class DraftGate:
             return False
         plain = b.rate(0)
         others = [r for j in range(1, len(self.lengths)) if (r := b.rate(j)) is not None]
-        return plain is not None and all(r * self.CHAIN_MARGIN <= plain for r in others)
+        if plain is None:
+            return False
+        if b.chaining:  # chained already: while no draft leads at all (a noisy step does not stop a chain)
+            return all(r < plain for r in others)
+        return all(r * self.CHAIN_MARGIN <= plain for r in others)
 
     def record(self, batch: int, length: int, accepted: Sequence[int], seconds: float, ahead: bool = False) -> None:
         """A measured step of ``batch`` requests at draft ``length`` (from :meth:`draft_length`, or 0
@@ -337,9 +352,11 @@ class DraftGate:
             return
         b = self._bucket(bucket_of(batch))
         i = self.lengths.index(length)
+        would = i == 0 and self.plain_next(batch)  # what an overlapped engine heard during this step
         b.steps[i] += 1
         b.chained_steps += ahead and i == 0
         b.measured(i, seconds / len(accepted), ahead and i == 0)
+        b.would_promise = would
         self._acceptance.add(i, accepted)
         for other in self._buckets.values():  # every bucket's estimates read the new acceptance
             other._best = None

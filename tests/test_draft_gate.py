@@ -277,13 +277,14 @@ class _Chaining(_Env):
 
 
 def _drive_chaining(gate: DraftGate, steps: int, env: _Chaining, batch: int = 8, tell: bool = True,
-                    check_promises: bool = False) -> list[int]:
+                    check_promises: bool = False, chains: bool = True) -> list[int]:
     """As an overlapped engine runs the gate: a step is launched ahead (chained) when the gate
-    promised it plain during the last one; ``tell``: the gate hears which were (``ahead``)."""
+    promised it plain during the last one (``chains=False``: never, as an engine that declines);
+    ``tell``: the gate hears which were (``ahead``)."""
     out, ahead = [], False
     for _ in range(steps):
         n = 0 if ahead else gate.draft_length(batch)
-        promised = n == 0 and gate.plain_next(batch)
+        promised = n == 0 and gate.plain_next(batch) and chains
         gate.record(batch, n, env.accepted(batch, n), env.step_seconds(batch, n, ahead), **({"ahead": ahead} if tell else {}))
         if check_promises and promised:
             assert gate.draft_length(batch) == 0
@@ -306,20 +307,32 @@ def test_chained_plain_steps_are_priced_apart_from_the_first_of_a_run():
     assert mixed[-300:].count(0) < 0.2 * 300, mixed[-300:]
 
 
-def test_unchained_plain_steps_price_no_draft_short_of_the_margin():
-    """Where chained plain steps would lead by less than CHAIN_MARGIN, the engine would not chain
-    them: no draft is priced at the unchained steps' cost and the gate drafts."""
+def test_when_the_engine_stops_chaining_no_draft_is_priced_unchained_again():
+    """An engine that declines to chain (requests waiting, a preemption) runs plain steps unchained:
+    two in a row show it, no draft is priced at their cost again, and the gate goes back to drafting."""
     gate = DraftGate(8)
     env = _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4)
-    _drive_chaining(gate, 2 * W, env)
+    chained = _drive_chaining(gate, 2 * W + 400, env)
+    assert chained[-200:].count(0) > 0.9 * 200
+    declined = _drive_chaining(gate, 400, env, chains=False)
+    assert declined[-300:].count(0) < 0.1 * 300, declined[-300:]
+
+
+def test_a_bucket_begun_by_chained_steps_still_prices_drafts():
+    """The batch changes while plain steps chain: the new bucket's first plain steps are all chained,
+    and its drafting lengths are still priced (interpolated from the chained cost) and measured."""
+    gate = DraftGate(8)
+    env = _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4)
+    _drive_chaining(gate, 2 * W + 100, env, batch=8)
     b = gate._buckets[bucket_of(8)]
-    chained, others = 1 / b.chained_cost(), [b.rate(j) for j in range(1, len(gate.lengths)) if b.rate(j)]
-    assert chained >= DraftGate.CHAIN_MARGIN * max(others) and b.rate(0) == chained
-    b.chained.clear()
-    b.chained.append(1 / (max(others) * 1.01))  # a lead of 1 %: under the margin
-    b._chained_cost = b._best = None
-    assert b.rate(0) == pytest.approx(1 / b.measured_cost(0)) and b.rate(0) < max(others)
-    assert gate.draft_length(8) != 0
+    assert b.chaining and gate.plain_next(8)
+    ahead = True  # the step launched ahead now runs 3 requests (5 of them finished)
+    gate.record(3, 0, env.accepted(3, 0), env.step_seconds(3, 0, ahead), ahead=ahead)
+    small = gate._buckets[bucket_of(3)]
+    assert not small.cost[0] and small.chained
+    assert all(small.step_cost(j) is not None for j in range(len(gate.lengths)))
+    _drive_chaining(gate, 2 * W + 200, env, batch=3)
+    assert small.cost[gate.lengths.index(8)], "the longest draft was measured"
 
 
 @settings(max_examples=60, deadline=None)
