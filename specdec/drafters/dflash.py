@@ -153,7 +153,8 @@ class BlockDrafter(Drafter):
         self.kv = None
         self._embed = self._lm_head = None
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict[tuple[int, int, bool], _ProposeGraph] = {}  # (requests, keys, compiled)
+        # (requests, keys, compiled, the network's fold_queries: a graph replays the path it captured)
+        self._graphs: dict[tuple[int, int, bool, bool], _ProposeGraph] = {}
         self._compiled = None  # the compiled _draft, made on first use
         self.torch_compile = torch_compile
         self.device_drafts = device_drafts
@@ -490,8 +491,7 @@ class BlockDrafter(Drafter):
         top_cols = max(cols for _, cols in buckets)
         if top_cols + self.config.block_size > self._rope.length:  # grown before capturing: it drops graphs
             self._make_tables(top_cols + self.config.block_size)
-        todo = [(rows, cols, self.torch_compile) for rows, cols in buckets
-                if (rows, cols, self.torch_compile) not in self._graphs]
+        todo = [key for rows, cols in buckets if (key := self._graph_key(rows, cols)) not in self._graphs]
         for key in todo:
             self._capture(key, self._pack([], [], key[0], key[1]))
         return len(todo)
@@ -643,9 +643,14 @@ class BlockDrafter(Drafter):
             packed = torch.cat([packed, pad])
         return packed
 
+    def _graph_key(self, rows: int, cols: int) -> tuple[int, int, bool, bool]:
+        """The key of a bucket's propose graph: its requests and keys, and the settings its capture
+        fixed (compiled or not, the network's ``fold_queries``)."""
+        return rows, cols, self.torch_compile, getattr(self.net, "fold_queries", False)
+
     def _replay(self, packed: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafted tokens ``[rows, draft_width]`` (and confidences) of the bucket's graph (captured on first use)."""
-        key = (packed.shape[0], cols, self.torch_compile)
+        key = self._graph_key(packed.shape[0], cols)
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(key, packed)
@@ -659,7 +664,7 @@ class BlockDrafter(Drafter):
         g.graph.replay()
         return g.tokens, g.confidence
 
-    def _capture(self, key: tuple[int, int, bool], packed: torch.Tensor) -> _ProposeGraph:
+    def _capture(self, key: tuple[int, int, bool, bool], packed: torch.Tensor) -> _ProposeGraph:
         """Capture the bucket's graph; its warm-up (kernels compiled, plans made) runs outside it."""
         t0 = time.perf_counter()
         dev, cols, width = self._embed.device, key[1], self.config.draft_width
