@@ -232,7 +232,7 @@ class _NeverDrafts(DraftGate):
     def plain_next(self, batch: int) -> bool:
         return True
 
-    def record(self, batch: int, length: int, accepted, seconds: float) -> None:
+    def record(self, batch: int, length: int, accepted, seconds: float, ahead: bool = False) -> None:
         pass
 
 

@@ -231,7 +231,7 @@ class _Bucket:
         chained = self.chained_cost()
         if self.chaining and chained is not None and chained > 0:
             return 1.0 / chained
-        c = self.measured_cost(0) if self.cost[0] else self.step_cost(0)
+        c = self.step_cost(0)
         return None if c is None or c <= 0 else 1.0 / c
 
     def best(self) -> int:
@@ -352,7 +352,8 @@ class DraftGate:
             return
         b = self._bucket(bucket_of(batch))
         i = self.lengths.index(length)
-        would = i == 0 and self.plain_next(batch)  # what an overlapped engine heard during this step
+        # what an overlapped engine heard during this step (needed only to see it decline a chain)
+        would = i == 0 and b.chaining and self.plain_next(batch)
         b.steps[i] += 1
         b.chained_steps += ahead and i == 0
         b.measured(i, seconds / len(accepted), ahead and i == 0)
