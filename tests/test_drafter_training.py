@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import SamplingParams, SpecEngine
-from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, block_mask, draft_from_hidden, init_weights,
+from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, block_mask, draft_from_hidden, grow_layers,
+                                    init_weights,
                                     label_offsets, slot_logits)
 from specdec.drafters.data import TokenData, code_prompts, keep_message
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
@@ -290,6 +291,36 @@ def test_all_anchors_in_one_pass_equal_one_block_at_a_time(tiny, shift):
                 ids = torch.tensor([[batch.tokens[s, anc].item()] + [net.config.mask_token_id] * (B - 1)])
                 lone = net.forward_block(tiny.embed[ids], anc + torch.arange(B)[None], kv, torch.arange(L)[None] < anc)
                 torch.testing.assert_close(h[s, a], lone[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [lambda: cfg(0, num_layers=2), lambda: dspark_cfg(num_layers=2)], ids=["dflash", "dspark"])
+def test_a_grown_network_drafts_as_before_and_its_new_layers_learn(tiny, make):
+    """grow_layers: more layers, the same block hidden states (so the same drafts) at once; the new
+    layers then take gradients (their output projections first) and a step moves the output."""
+    net = init_weights(BlockDrafterNet(make()), seed=5)
+    data = toy_data(3, seed=6)
+    batch = target_features(tiny, [data.sequence(i).tolist() for i in range(3)], data.prompt_lens.tolist(), (0, 2))
+    anchors = torch.tensor([[5, 9, 1, 20], [3, 3, 17, -1], [10, 2, 7, 11]])
+    grown = grow_layers(net, 4)
+    assert grown.config.num_layers == 4 and net.config.num_layers == 2 and len(net.layers) == 2
+    assert grown.config == BlockDrafterConfig(**{**net.config.to_json(), "num_layers": 4})
+    with torch.no_grad():
+        before = block_hidden(net, tiny.embed, batch, anchors)
+        torch.testing.assert_close(block_hidden(grown, tiny.embed, batch, anchors), before, rtol=0, atol=0)
+    # a grown network is not the old one in disguise: its new layers are trainable copies of the last
+    assert grown.layers[3].self_attn.q_proj.weight.data_ptr() != grown.layers[1].self_attn.q_proj.weight.data_ptr()
+    torch.testing.assert_close(grown.layers[3].mlp.up_proj.weight, net.layers[1].mlp.up_proj.weight)
+    tc = TrainConfig(steps=1, seqs_per_step=3, anchors_per_seq=4)
+    loss, _ = block_loss(grown, tiny.embed, tiny.lm_head, batch, anchors, tc)
+    loss.backward()
+    new = grown.layers[2]
+    assert new.self_attn.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
+    opt = torch.optim.SGD(grown.parameters(), lr=1.0)
+    opt.step()
+    with torch.no_grad():
+        assert (block_hidden(grown, tiny.embed, batch, anchors) - before).abs().max() > 1e-4
+    with pytest.raises(ConfigError, match="num_layers"):
+        grow_layers(net, 2)
 
 
 def test_mask_sees_context_before_the_anchor_and_its_own_block_only():
@@ -617,6 +648,13 @@ def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory,
         main(common + ["--kind", "dflash", "--out", str(more), "--init", str(out)])  # not a DFlash checkpoint
     with pytest.raises(SystemExit):
         main(common + ["--kind", "dspark", "--out", str(more), "--init", str(out), "--resume", str(out)])
+    grown = tmp_path_factory.mktemp("cli_grown")
+    assert main(common + ["--kind", "dspark", "--out", str(grown), "--steps", "2", "--init", str(out),
+                          "--grow-layers", "3"]) == 0
+    assert BlockDrafterNet.load(grown).config.num_layers == 3
+    for bad in (["--grow-layers", "3"], ["--grow-layers", "1", "--init", str(out)]):  # no --init; not deeper
+        with pytest.raises(SystemExit):
+            main(common + ["--kind", "dspark", "--out", str(more), *bad])
     with pytest.raises(CheckpointError, match="manifest"):
         main(["--data", str(tmp_path_factory.mktemp("empty")), "--out", str(more), "--device", "cpu"])
 

@@ -922,6 +922,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "for a drafter whose plan is done)")
     p.add_argument("--stop-after", type=float, default=None,
                    help="stop (and save the state) after this many seconds, whatever the plan; --resume continues")
+    p.add_argument("--grow-layers", type=int, default=None,
+                   help="with --init: deepen the network to this many layers first, each new layer a copy of the last "
+                        "with its output projections at zero (drafts as before at step 0; block.grow_layers)")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--num-layers", type=int, default=3, help="drafter decoder layers")
@@ -943,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fuse the loss's passes over the vocabulary with torch.compile (TrainConfig.compile_loss)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
-    from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, spread_layer_ids
+    from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, grow_layers, spread_layer_ids
     from specdec.target import load_target
 
     from specdec.target.loading import check_device
@@ -954,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--kind must be one or more distinct of {sorted(KIND_SETTINGS)}, comma-separated; got {args.kind!r}")
     if args.resume and args.init:
         p.error("--resume and --init exclude each other")
+    if args.grow_layers is not None and not args.init:
+        p.error("--grow-layers deepens the network of --init; give --init")
     for flag in ("out", "resume", "init"):
         if len(kinds) > 1 and getattr(args, flag) is not None and "{kind}" not in getattr(args, flag):
             p.error(f"--{flag} must name a folder per kind with {{kind}} (e.g. ckpt-{{kind}}) when several kinds train")
@@ -985,6 +990,10 @@ def main(argv: list[str] | None = None) -> int:
             net = BlockDrafterNet.load(start)
             if net.config.shift_label != k["shift_label"]:
                 p.error(f"{start} is not a {kind} drafter (shift_label {net.config.shift_label})")
+            if args.grow_layers is not None:
+                if args.grow_layers <= net.config.num_layers:
+                    p.error(f"--grow-layers {args.grow_layers}: {start} already has {net.config.num_layers} layers")
+                net = grow_layers(net, args.grow_layers)
         else:
             tcfg = target.config
             net = new_net(BlockDrafterConfig(
