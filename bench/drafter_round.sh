@@ -40,7 +40,8 @@
 # RESUME=/tmp/ck-{kind} continues the last call's on the same warm machine, nothing carried back first);
 # LR (peak learning rate, default 1e-3); MAXLEN (tokens of each sequence trained on; default 1024, or a resumed
 # run's own); SEQS (sequences a training step, default 16); GROW=N (with INIT) deepens both networks to N layers
-# first (--grow-layers: new layers add nothing until trained); COMPILE_LOSS=1 fuses the
+# first (--grow-layers: new layers add nothing until trained); GREEDY=1 labels slots with the target's greedy
+# continuation (--greedy-labels); COMPILE_LOSS=1 fuses the
 # loss's passes over the vocabulary with torch.compile (--compile-loss); trainsplit: SPLIT_SEQS (sizes) and LOOP
 # (steps of the training loop itself timed with the plain and the compiled loss, default 20).
 # FROM=/tmp/ck-{kind}: before any part, install the checkpoints a train part left on this warm machine
@@ -85,7 +86,7 @@ for part in "$@"; do
       # a plan of $STEPS steps cut after $SECONDS_BUDGET (continued by RESUME=1), or a plan fitted to the budget
       plan="--max-seconds ${SECONDS_BUDGET:-420}"
       [ -n "${STEPS:-}" ] && plan="--steps $STEPS --stop-after ${SECONDS_BUDGET:-420}"
-      plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16} ${MAXLEN:+--max-len $MAXLEN}${COMPILE_LOSS:+ --compile-loss}${GROW:+ --grow-layers $GROW}"
+      plan="$plan --lr ${LR:-1e-3} --seqs-per-step ${SEQS:-16} ${MAXLEN:+--max-len $MAXLEN}${COMPILE_LOSS:+ --compile-loss}${GROW:+ --grow-layers $GROW}${GREEDY:+ --greedy-labels}"
       start=""  # where each kind starts, {kind} in the folder: RESUME continues a plan, INIT starts a new one
       if [ "${RESUME:-}" = 1 ]; then start="--resume $CK/smollm2-135m-{kind}"
       elif [ -n "${RESUME:-}" ]; then start="--resume $RESUME"  # e.g. /tmp/ck-{kind}: the last call's

@@ -22,7 +22,8 @@ from specdec.drafters.block import (BlockDrafterConfig, BlockDrafterNet, block_m
 from specdec.drafters.data import TokenData, code_prompts, keep_message
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
 from specdec.drafters.training import (TrainConfig, anchor_block_mask, anchors_from_uniform, block_hidden, block_labels,
-                                       accepted_runs, block_loss, distill_tokens, lr_factor, new_net, simulated_tau,
+                                       accepted_runs, block_loss, distill_tokens, greedy_block_labels, lr_factor,
+                                       new_net, simulated_tau,
                                        target_features, walk_accepted_lengths,
                                        TrainJob, train_block_drafter, train_block_drafters)
 from specdec.errors import CheckpointError, ConfigError
@@ -321,6 +322,54 @@ def test_a_grown_network_drafts_as_before_and_its_new_layers_learn(tiny, make):
         assert (block_hidden(grown, tiny.embed, batch, anchors) - before).abs().max() > 1e-4
     with pytest.raises(ConfigError, match="num_layers"):
         grow_layers(net, 2)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_greedy_labels_follow_the_targets_greedy_path(tiny, shift):
+    """greedy_block_labels against a walk along each block: slot j is labelled with the target's
+    argmax after the data's prefix while every data token before it in the block is the argmax of
+    its own position, and unlabelled from the first token the target would not have chosen on.
+    On the target's own greedy responses the labels are the data's; a block whose data leaves the
+    greedy path keeps the slots up to that token."""
+    from specdec import SamplingParams, SpecEngine
+
+    prompts = toy_prompts()[:3]
+    outs = SpecEngine(tiny, None).generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    seqs = [list(p) + list(o.token_ids) for p, o in zip(prompts, outs)]
+    plens = [len(p) for p in prompts]
+    B = 4
+    offsets = label_offsets(B, shift)
+    anchors = torch.tensor([[plens[0], plens[0] + 3, plens[0] + 7, -1], [plens[1] + 1, plens[1] + 5, plens[1] + 2, plens[1]],
+                            [plens[2] + 4, plens[2], plens[2] + 9, plens[2] + 12]])
+    off_path = [list(s) for s in seqs]
+    for s, a in ((0, plens[0] + 3), (1, plens[1] + 5), (2, plens[2] + 9)):  # the block's second data token leaves the path
+        off_path[s][a + 2] = (off_path[s][a + 2] + 1) % VOCAB
+    for data in (seqs, off_path):
+        batch = target_features(tiny, data, plens, (0, 2))
+        with torch.no_grad():
+            argmax = [tiny.compute_logits(batch.final[s, :len(data[s])]).argmax(-1).tolist() for s in range(3)]
+        labels = block_labels(batch.tokens, batch.lengths, anchors, offsets)
+        got = greedy_block_labels(labels, batch.final, anchors, offsets, tiny.compute_logits, chunk_rows=5)
+        want = torch.full_like(labels, -100)
+        for s in range(3):
+            for i, a in enumerate(anchors[s].tolist()):
+                for j, o in enumerate(offsets):
+                    if a < 0 or a + o >= len(data[s]):
+                        break
+                    want[s, i, j] = argmax[s][a + o - 1]
+                    if data[s][a + o] != argmax[s][a + o - 1]:
+                        break  # the slots after a token the target would not have chosen have no label
+        assert torch.equal(got, want)
+        if data is seqs:  # the target's own greedy responses: their labels as they were
+            assert torch.equal(got, labels)
+        else:
+            assert (got[0, 1, 2:] == -100).all() and (got[0, 1, :2] != -100).all()
+    with pytest.raises(ConfigError, match="greedy_labels"):
+        block_loss(init_weights(BlockDrafterNet(cfg(shift)), seed=0), tiny.embed, tiny.lm_head,
+                   target_features(tiny, seqs, plens, (0, 2), with_final=False), anchors,
+                   TrainConfig(greedy_labels=True), tiny.compute_logits)
+    with pytest.raises(ConfigError, match="greedy_labels"):
+        TrainConfig(greedy_labels=1)
 
 
 def test_mask_sees_context_before_the_anchor_and_its_own_block_only():
@@ -652,6 +701,9 @@ def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory,
     assert main(common + ["--kind", "dspark", "--out", str(grown), "--steps", "2", "--init", str(out),
                           "--grow-layers", "3"]) == 0
     assert BlockDrafterNet.load(grown).config.num_layers == 3
+    relabelled = tmp_path_factory.mktemp("cli_greedy")
+    assert main(common + ["--kind", "dflash", "--out", str(relabelled), "--steps", "2", "--greedy-labels"]) == 0
+    assert json.loads((relabelled / "training.json").read_text())["train"]["greedy_labels"] is True
     for bad in (["--grow-layers", "3"], ["--grow-layers", "1", "--init", str(out)]):  # no --init; not deeper
         with pytest.raises(SystemExit):
             main(common + ["--kind", "dspark", "--out", str(more), *bad])
