@@ -261,6 +261,7 @@ def test_folded_queries_attend_as_one_head_at_a_time(kv_heads, group, block, n, 
                            hidden_size=16, num_layers=2, num_heads=kv_heads * group, num_kv_heads=kv_heads,
                            head_dim=4, intermediate_size=24)
     net = init_weights(BlockDrafterNet(c), seed=seed % 7, std=0.3)
+    net.fold_min_rows = 1  # fold however few the requests
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, block, 16, generator=g)
     pos = torch.randint(0, 40, (n, 1), generator=g) + torch.arange(block)
@@ -272,6 +273,28 @@ def test_folded_queries_attend_as_one_head_at_a_time(kv_heads, group, block, n, 
         net.fold_queries = False
         apart = net.forward_block(x, pos, ctx_kv, valid)
     torch.testing.assert_close(folded, apart, rtol=1e-5, atol=1e-5)
+
+
+def test_folding_starts_at_fold_min_rows(monkeypatch):
+    """The propose's attention folds a KV head's query heads into query rows from
+    ``fold_min_rows`` requests on, and runs one head at a time below it."""
+    net = make_drafter("dflash").net
+    c, B, Lc = net.config, net.config.block_size, 5
+    G = c.num_heads // c.num_kv_heads
+    assert G > 1
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **k: (seen.append(tuple(q.shape)), sdpa(q, *a, **k))[1])
+    for n in (net.fold_min_rows - 1, net.fold_min_rows):
+        seen.clear()
+        with torch.no_grad():
+            feats = net.project_context(torch.randn(n, Lc, 2 * HIDDEN))
+            ctx_kv = [net.context_kv(i, feats, torch.arange(Lc)) for i in range(c.num_layers)]
+            net.forward_block(torch.randn(n, B, HIDDEN), torch.arange(B).expand(n, -1) + Lc, ctx_kv,
+                              torch.ones(n, Lc, dtype=torch.bool))
+        folded = (n, c.num_kv_heads, B * G, c.head_dim)
+        apart = (n, c.num_heads, B, c.head_dim)
+        assert seen == [folded if n >= net.fold_min_rows else apart] * c.num_layers
 
 
 def test_per_query_masks_are_not_folded():

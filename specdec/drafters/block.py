@@ -274,6 +274,11 @@ class BlockDrafterNet(nn.Module):
     #: in G times fewer and G times fuller tiles of the attention kernel than ``B`` rows of each
     #: of ``H`` heads. ``False``: one head at a time (``enable_gqa``), for comparison.
     fold_queries = True
+    #: the fewest blocks (requests) a folded attention runs: fewer run one head at a time. The
+    #: compiled propose's CUDA graphs on an H100 (DFlash, 2026-12-07, ``bench/drafter_profile.py``):
+    #: folded 0.280 / 0.323 / 0.497 ms a propose at 1 / 8 / 32 requests, one head at a time 0.257 /
+    #: 0.313 / 0.544 ms.
+    fold_min_rows = 16
 
     def __init__(self, config: BlockDrafterConfig):
         super().__init__()
@@ -375,7 +380,7 @@ class BlockDrafterNet(nn.Module):
         N, B, _ = x.shape
         H, Hkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv  # query heads per KV head (torch's GQA: query head h reads KV head h // G)
-        fold = self.fold_queries and G > 1 and mask.shape[-2] == 1  # see fold_queries
+        fold = self.fold_queries and G > 1 and mask.shape[-2] == 1 and N >= self.fold_min_rows  # see fold_queries
         for i, (L, (kc, vc)) in enumerate(zip(self.layers, ctx_kv)):
             a = L.self_attn
             h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
