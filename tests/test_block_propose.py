@@ -626,6 +626,24 @@ def test_compiled_propose_drafts_as_eager(kind):
 
 
 @needs_cxx
+def test_each_drafter_compiles_its_own_propose():
+    """Drafters of one kind in one process (several engines, batch sizes) each compile their
+    propose: torch's cache is kept per function code, and each drafter's compiled pass has a code
+    object of its own, so none runs graphs compiled for an earlier one's sizes."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for n, graphs in ((3, 1), (5, 2), (7, 3)):  # shared, the third would run the second's graph
+        rng = random.Random(n)
+        st = State(make_drafter("dflash"), n, lengths(rng, n, 5), False, seed=n)
+        st.d.torch_compile = True
+        st.d.propose(st.reqs, 9)
+        assert st.d.stats["compile_errors"] == 0
+        assert counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_cxx
 def test_a_compiled_drafter_rebound_to_another_target_drafts_with_its_embedding():
     """After ``bind`` to a target with another embedding and LM head, the compiled pass reads the
     new products (the Markov head's ``embed @ down`` and ``lm_head @ up``), as the eager one does."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -68,6 +69,16 @@ def _recompile_limit_raises():
     if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
         return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
     return contextlib.nullcontext()
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own. torch keeps what it compiled for a function on the
+    function's code object, so drafters compiling the same method would share one cache: a later
+    drafter (another engine's, another batch size's) would run graphs compiled for an earlier one's
+    sizes, with the dimensions that changed between them made dynamic, and enough drafters in one
+    process would reach torch's recompile limit. Each drafter compiles its own copy instead."""
+    code = fn.__code__.replace(co_name=fn.__code__.co_name)
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def propose_buckets(max_requests: int, max_context: int) -> list[tuple[int, int]]:
@@ -613,7 +624,8 @@ class BlockDrafter(Drafter):
                 if self._compiled is None:
                     t0 = time.perf_counter()
                     self._draft(padded, None, c.draft_width)
-                    self._compiled = torch.compile(type(self)._draft)  # unbound: no cycle through self
+                    # unbound (no cycle through self), with a compile cache of its own (see _own_code)
+                    self._compiled = torch.compile(_own_code(type(self)._draft))
                     tokens, conf = self._compiled(self, padded, None, c.draft_width)
                     self.stats["compile_s"] += time.perf_counter() - t0
                 else:
