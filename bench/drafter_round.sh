@@ -31,6 +31,8 @@
 #                                       # draft_gate (+gate); gatesb: the same on 78 Spec-Bench first turns
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
 #   bash bench/drafter_round.sh hostprofile # e2e at batch 1 with cProfile of each drafter's host functions
+#   bash bench/drafter_round.sh depth   # a deeper DFlash (GROW=N train first, same machine) beside the shipped one:
+#                                       # propose ms at batch 1, 8, 32 and e2e at batch 1 and 32
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
 # Knobs: MAGPIE, CODE, GROUNDED, MATH, DOCS, HEVAL (prompts of each source; DOC_SOURCES: earlier builds whose
@@ -144,6 +146,13 @@ for part in "$@"; do
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+gate --skip-hf --cprofile 32 \
         --out "$OUT/e2e_plain" 2>&1 | grep "^|\|draft gate\|launched ahead" ;;
+    depth)  # a deeper DFlash ($DEEP, default /tmp/ck-dflash: what `GROW=N ... train` left on this warm machine)
+            # beside the shipped one: propose ms (compiled graphs) at batch 1, 8, 32, then e2e (the part `other`)
+      deep=${DEEP:-/tmp/ck-dflash}
+      [ -f "$deep/config.json" ] || { echo "depth: no checkpoint at $deep"; exit 1; }
+      timeout 200 python bench/drafter_profile.py --device cuda --batch-sizes 1,8,32 --calls 20 --warmup 6 --no-engine \
+        --drafters "smollm2-135m-dflash,$deep" --out "$OUT/depth" 2>&1 | grep "^| drafter\|^|---\|graph+compiled"
+      OTHER="$deep" bash "$0" other ;;
     other)  # the shipped DFlash beside another DFlash checkpoint ($OTHER, a folder carried along), batch 1 and 32
       [ -n "${OTHER:-}" ] || { echo "other: set OTHER to a DFlash checkpoint folder"; exit 1; }
       timeout 400 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
