@@ -498,7 +498,7 @@ def grow_layers(net: BlockDrafterNet, num_layers: int) -> BlockDrafterNet:
     for k in grown.state_dict():
         if k in state:
             continue
-        i, rest = k[len("layers."):].split(".", 1)  # every new weight is a new layer's
+        _, rest = k[len("layers."):].split(".", 1)  # every new weight is a new layer's
         v = state[f"layers.{last}.{rest}"]
         state[k] = torch.zeros_like(v) if rest.endswith(("o_proj.weight", "down_proj.weight")) else v.clone()
     p = next(net.parameters())
