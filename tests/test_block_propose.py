@@ -608,14 +608,17 @@ def test_several_spans_of_one_request_in_one_step_and_a_failed_propose_lose_noth
 
 
 @needs_cxx
-@pytest.mark.parametrize("kind", ["dflash", "dspark_heads", "mla"])
-def test_compiled_propose_drafts_as_eager(kind):
+@pytest.mark.parametrize("kind", ["dflash", "dflash_folded", "dspark_heads", "mla"])
+def test_compiled_propose_drafts_as_eager(kind, monkeypatch):
     """``torch_compile=True``: the whole propose pass (staged context writes, gathers, layers, the
     Markov head's slot-by-slot decode, confidences) compiles into one dynamic graph, and drafts,
     confidences and context K/V equal the eager drafter's, over a run whose batch and context
     sizes vary (one request and one page included)."""
     from torch._dynamo.utils import counters
 
+    if kind == "dflash_folded":  # the folded attention at these few requests too
+        monkeypatch.setattr(BlockDrafterNet, "fold_min_rows", 1)
+        kind = "dflash"
     torch._dynamo.reset()
     counters.clear()
     staged, plain = staged_vs_immediate(3, kind, 4, pad=False, compiled=True)

@@ -122,6 +122,9 @@ def test_a_resumed_run_continues_the_same_curve(tiny, tmp_path):
     with pytest.raises(ConfigError, match="max_len=1024; resuming it at max_len=512"):  # another cut, another plan
         train_block_drafter(tiny, data, BlockDrafterNet.load(first), dataclasses.replace(tc, max_len=512), val=val,
                             out=tmp_path / "third", resume=first, progress=False)
+    with pytest.raises(ConfigError, match="greedy_labels=False; resuming it with greedy_labels=True"):  # another loss
+        train_block_drafter(tiny, data, BlockDrafterNet.load(first), dataclasses.replace(tc, greedy_labels=True),
+                            val=val, out=tmp_path / "fourth", resume=first, progress=False)
 
 
 def test_a_new_plan_keeps_its_starting_weights_unless_a_step_beats_them(tiny):
@@ -370,6 +373,28 @@ def test_greedy_labels_follow_the_targets_greedy_path(tiny, shift):
                    TrainConfig(greedy_labels=True), tiny.compute_logits)
     with pytest.raises(ConfigError, match="greedy_labels"):
         TrainConfig(greedy_labels=1)
+
+
+def test_block_loss_trains_on_the_greedy_labels(tiny, monkeypatch):
+    """With ``greedy_labels`` the loss is the plain loss over greedy_block_labels' labels, and on
+    data off the target's greedy path (toy sequences) that differs from the loss over the data."""
+    from specdec.drafters import training
+
+    net = init_weights(BlockDrafterNet(cfg(0)), seed=2)
+    data = toy_data(3, seed=5)
+    seqs, plens = [data.sequence(i).tolist() for i in range(3)], data.prompt_lens.tolist()
+    batch = target_features(tiny, seqs, plens, (0, 2))
+    anchors = torch.tensor([[5, 9, 1, 20], [3, 3, 17, -1], [10, 2, 7, 11]])
+    with torch.no_grad():
+        greedy, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, TrainConfig(greedy_labels=True),
+                               tiny.compute_logits)
+        plain, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, TrainConfig(), tiny.compute_logits)
+        data_labels = training.block_labels
+        monkeypatch.setattr(training, "block_labels", lambda *a: greedy_block_labels(
+            data_labels(*a), batch.final, anchors, label_offsets(4, 0), tiny.compute_logits))
+        relabelled, _ = block_loss(net, tiny.embed, tiny.lm_head, batch, anchors, TrainConfig(), tiny.compute_logits)
+    torch.testing.assert_close(greedy, relabelled)
+    assert abs(greedy.item() - plain.item()) > 1e-3
 
 
 def test_mask_sees_context_before_the_anchor_and_its_own_block_only():
@@ -704,6 +729,12 @@ def test_training_command_trains_resumes_and_refuses_bad_flags(tmp_path_factory,
     relabelled = tmp_path_factory.mktemp("cli_greedy")
     assert main(common + ["--kind", "dflash", "--out", str(relabelled), "--steps", "2", "--greedy-labels"]) == 0
     assert json.loads((relabelled / "training.json").read_text())["train"]["greedy_labels"] is True
+    cut = tmp_path_factory.mktemp("cli_greedy_cut")  # a cut run resumes with its own labels, flag or not
+    assert main(common + ["--kind", "dflash", "--out", str(cut), "--steps", "4", "--greedy-labels",
+                          "--stop-after", "1e-9"]) == 0
+    assert json.loads((cut / "train_state.json").read_text())["step"] < 4
+    assert main(common + ["--kind", "dflash", "--out", str(cut), "--resume", str(cut)]) == 0
+    assert json.loads((cut / "training.json").read_text())["steps_run"] == 4
     for bad in (["--grow-layers", "3"], ["--grow-layers", "1", "--init", str(out)]):  # no --init; not deeper
         with pytest.raises(SystemExit):
             main(common + ["--kind", "dspark", "--out", str(more), *bad])

@@ -619,6 +619,11 @@ class _Run:
                 raise ConfigError(f"{str(job.resume)!r} was trained on sequences cut at max_len={was}; resuming it "
                                   f"at max_len={self.tc.max_len} would change its plan (pass {was}, or start a new "
                                   f"plan from it with --init)")
+            was = self.state["record"].get("train", {}).get("greedy_labels", False)
+            if was != self.tc.greedy_labels:
+                raise ConfigError(f"{str(job.resume)!r} was trained with greedy_labels={was}; resuming it with "
+                                  f"greedy_labels={self.tc.greedy_labels} would change its loss mid-plan (resume "
+                                  f"with the same setting, or start a new plan from it with --init)")
             net.load_state_dict(type(net).load(job.resume).state_dict())
         self.net = net.to(device=dev, dtype=torch.float32).train()
         decay, no_decay = [], []
@@ -981,9 +986,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--compile-loss", action="store_true",
                    help="fuse the loss's passes over the vocabulary with torch.compile (TrainConfig.compile_loss)")
-    p.add_argument("--greedy-labels", action="store_true",
+    p.add_argument("--greedy-labels", action="store_true", default=None,
                    help="label each slot with the target's greedy token after the data's prefix, none past a data token "
-                        "the target would not have chosen (sampled responses teach only greedy drafts)")
+                        "the target would not have chosen (sampled responses teach only greedy drafts); a resumed run "
+                        "keeps its own setting")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, grow_layers, spread_layer_ids
@@ -1010,6 +1016,10 @@ def main(argv: list[str] | None = None) -> int:
                    if args.resume else 1024)
     if max_len < 2:
         p.error(f"--max-len must be >= 2, got {max_len}")
+    greedy_labels = args.greedy_labels  # a resumed run keeps the labels it was planned with
+    if greedy_labels is None:
+        greedy_labels = bool(args.resume and _read_state(folder(args.resume, kinds[0]))["record"]["train"]
+                             .get("greedy_labels", False))
     data = TokenData.concat([TokenData.load(d) for d in args.data])
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     train, val = data.split(args.val_fraction, seed=args.seed)
@@ -1024,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors, lr=args.lr,
                          tv_weight=k["tv_weight"], confidence_weight=k["confidence_weight"],
                          max_seconds=args.max_seconds, val_every=args.val_every, seed=args.seed,
-                         compile_loss=args.compile_loss, max_len=max_len, greedy_labels=args.greedy_labels)
+                         compile_loss=args.compile_loss, max_len=max_len, greedy_labels=greedy_labels)
         start = folder(args.resume or args.init, kind)
         if start is not None:
             net = BlockDrafterNet.load(start)
