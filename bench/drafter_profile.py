@@ -93,7 +93,6 @@ def load_drafter(name: str, **kwargs):
     unknown = set(flags) - {"unfolded"}
     if unknown:
         raise SystemExit(f"unknown drafter flag(s) {sorted(unknown)} in {name!r} (known: unfolded)")
-    torch._dynamo.reset()  # its compiled propose compiled for its own sizes, not reused from the last drafter's
     d = BlockDrafter.from_pretrained(base, **kwargs)
     if "unfolded" in flags:
         d.net.fold_queries = False

@@ -30,8 +30,7 @@ drafter, verify, host), the bytes-read floor of one step (weights + mean KV at
 (the -invariant rows: specdec-null-invariant's). Each specdec system first
 captures every CUDA-graph bucket the prompts can need (``engine.capture_graphs``;
 ``--no-precapture`` leaves captures inside the timed steps) and generates its
-first batch, untimed (compiles kernels); torch's compile cache is emptied before each system, so a
-compiled propose is compiled for that system's own sizes, as in a process of its own.
+first batch, untimed (compiles kernels; each block drafter compiles its own propose).
 ``--cprofile N`` adds, below the tables, a cProfile of each specdec system over its first N
 prompts (a second, untimed pass). Writes a markdown table (and JSON) to --out.
 """
@@ -136,10 +135,6 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         else:
             raise SystemExit(f"unknown drafter variant {variant!r} in {drafter_name!r} "
                              f"(corpus, {', '.join([*ENGINE_VARIANTS, *DRAFTER_VARIANTS])})")
-    # every system compiles as a process of its own would: torch's compile cache is keyed by the compiled
-    # function's code, so a block drafter built after another would otherwise run the graphs compiled for
-    # the first one's sizes (its pool and batch), with the dimensions that changed between them made dynamic
-    torch._dynamo.reset()
     drafter = make_drafter(kind, **kwargs)
     engine = SpecEngine(target, drafter, max_draft_tokens=args.k, max_num_seqs=max(batch_size, 1), **engine_kw)
     if "plain" in variants:  # the gate's plain regime alone: no step drafts, every plain step chains

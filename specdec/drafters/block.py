@@ -280,6 +280,11 @@ class BlockDrafterNet(nn.Module):
     #: 0.313 / 0.544 ms.
     fold_min_rows = 16
 
+    def folds_at(self, rows: int) -> bool:
+        """Whether a propose of ``rows`` blocks folds its query heads (``fold_queries``,
+        ``fold_min_rows``); :meth:`run_block` folds only where a KV head also serves several."""
+        return self.fold_queries and rows >= self.fold_min_rows
+
     def __init__(self, config: BlockDrafterConfig):
         super().__init__()
         c = self.config = config
@@ -380,7 +385,7 @@ class BlockDrafterNet(nn.Module):
         N, B, _ = x.shape
         H, Hkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         G = H // Hkv  # query heads per KV head (torch's GQA: query head h reads KV head h // G)
-        fold = self.fold_queries and G > 1 and mask.shape[-2] == 1 and N >= self.fold_min_rows  # see fold_queries
+        fold = G > 1 and mask.shape[-2] == 1 and self.folds_at(N)  # see fold_queries
         for i, (L, (kc, vc)) in enumerate(zip(self.layers, ctx_kv)):
             a = L.self_attn
             h = _rms(x, L.input_layernorm.weight, c.rms_norm_eps)

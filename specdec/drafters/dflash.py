@@ -164,7 +164,7 @@ class BlockDrafter(Drafter):
         self.kv = None
         self._embed = self._lm_head = None
         self.cuda_graphs = cuda_graphs
-        # (requests, keys, compiled, the network's fold_queries: a graph replays the path it captured)
+        # _graph_key: (requests, keys, compiled, folded: a graph replays the path it captured)
         self._graphs: dict[tuple[int, int, bool, bool], _ProposeGraph] = {}
         self._compiled = None  # the compiled _draft, made on first use
         self.torch_compile = torch_compile
@@ -606,7 +606,8 @@ class BlockDrafter(Drafter):
         The compiled pass reads all keys of the packed pages (those past a context are masked
         anyway) and drafts every slot (sliced after); a single request or page is padded to two
         (a padding row, an unused page), so that only sizes vary and one dynamic graph serves
-        every call below the network's ``fold_min_rows`` requests, another every call from there. The first call runs the pass eagerly once (the network's stacked weights are
+        every call below the network's ``fold_min_rows`` requests, another every call from there.
+        The first call runs the pass eagerly once (the network's stacked weights are
         cached then, so the compiled graph reads them instead of stacking them every call; context
         writes are idempotent), then compiles. Inside a graph capture the compiled pass has run
         on the warm-up with the same inputs, so nothing compiles during a capture. A compile
@@ -659,9 +660,8 @@ class BlockDrafter(Drafter):
         """The key of a bucket's propose graph: its requests and keys, and the settings its capture
         fixed (compiled or not; whether the network folds query heads at this many requests:
         ``fold_queries`` and ``fold_min_rows``)."""
-        net = self.net
-        folds = getattr(net, "fold_queries", False) and rows >= getattr(net, "fold_min_rows", 0)
-        return rows, cols, self.torch_compile, folds
+        folds_at = getattr(self.net, "folds_at", None)  # an MLA drafter's network never folds
+        return rows, cols, self.torch_compile, bool(folds_at and folds_at(rows))
 
     def _replay(self, packed: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafted tokens ``[rows, draft_width]`` (and confidences) of the bucket's graph (captured on first use)."""
