@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from results_io import GCPauses, format_gpu_state, gpu_state, process_state  # noqa: E402 (bench/, the script's own folder)
 
 from specdec import SamplingParams, SpecEngine  # noqa: E402
-from specdec.draft_gate import DraftGate  # noqa: E402
+from specdec.draft_gate import DraftGate, GateStep, bucket_label, bucket_of  # noqa: E402
 from specdec.drafters import make_drafter  # noqa: E402
 from specdec.jit_stats import triton_kernels_built  # noqa: E402
 from specdec.prompts import humaneval_prompts, parse_range  # noqa: E402
@@ -141,6 +141,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
         if getattr(engine.executor, "gate", None) is None:
             raise SystemExit(f"{drafter_name}: '+plain' needs '+gate' and an overlapped engine (CUDA)")
         engine._gate = engine.executor.gate = _NeverDrafts(args.k)
+    if args.gate_history and engine.draft_gate is not None:  # every measured step, the warm-up pass's too
+        engine.draft_gate.keep_history(1 << 20)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # Untimed: every graph bucket these prompts can need, then the first batch in full (compiles kernels).
     t0 = time.perf_counter()
@@ -166,6 +168,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
                 dstats[k] = 0
         dstats["eager_reasons"].clear()
     outs, t_total, batch_s = [], 0.0, []
+    history = engine.draft_gate.history if engine.draft_gate is not None else None
+    timed_from = len(history) if history is not None else 0
     gpu_before = gpu_state() if args.device.startswith("cuda") else {}
     kernels_before = triton_kernels_built()
     with GCPauses() as gc_pauses:  # the collector's pauses fall inside the steps they interrupt
@@ -181,6 +185,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
     if dstats is not None and hasattr(block, "propose_device_s"):
         block.propose_device_s  # noqa: B018 - takes the last propose's device time into dstats
         dstats = {**dstats, "eager_reasons": dstats["eager_reasons"].copy()}  # the timed run's, not the cProfile pass's
+    gate_history = None if history is None else {"timed_from": timed_from, "fields": list(GateStep._fields),
+                                                  "steps": [list(st) for st in history]}
     profile = None
     if args.cprofile:  # untimed: the host's functions over a second pass of the first prompts
         import cProfile
@@ -212,6 +218,8 @@ def run_specdec(target, drafter_name, prompt_ids, args, batch_size: int, **engin
             "draft_length_stats": dict(engine.draft_length_stats),  # what the confidence cut kept
             # '+gate': per batch bucket, the length chosen; per length, steps, estimated tokens/s, accepted tokens
             "draft_gate_stats": engine.draft_gate_stats,
+            # '--gate-history': every step the gate measured (GateStep fields), the timed run's from timed_from on
+            **({"draft_gate_history": gate_history} if gate_history else {}),
             **({"hybrid_stats": dict(drafter.stats)} if block is not drafter else {}),
             **({"drafter_stats": {**dstats, "eager_reasons": dict(dstats["eager_reasons"]),
                                   "compile_s_untimed": compile_s}} if dstats else {}),
@@ -233,7 +241,35 @@ class _NeverDrafts(DraftGate):
         return True
 
     def record(self, batch: int, length: int, accepted, seconds: float, ahead: bool = False) -> None:
-        pass
+        if self.history is not None:  # '--gate-history': the plain regime's own steps, for comparison
+            self.history.append(GateStep(batch, 0, bool(ahead), seconds, 0, 0))
+
+
+def gate_history_lines(name: str, hist: dict) -> list[str]:
+    """'--gate-history': per batch bucket and kind of step (a draft length; plain steps chained or not),
+    the steps' count, median ms and tokens/s, in the warm-up pass and in the timed run."""
+    f = {k: i for i, k in enumerate(hist["fields"])}
+    groups: dict = {}
+    for at, st in enumerate(hist["steps"]):
+        length, ahead = st[f["length"]], st[f["ahead"]]
+        kind = (length, ahead)
+        g = groups.setdefault((bucket_of(st[f["batch"]]), kind), ([], []))
+        g[at >= hist["timed_from"]].append(st)
+    lines = [f"#### The gate's measured steps: {name}", "",
+             "| batch | steps | warm-up pass: steps, median ms | timed run: steps, median ms | timed run: tokens/s |",
+             "|---|---|---|---|---|"]
+    for (bucket, (length, ahead)), parts in sorted(groups.items()):
+        cells = []
+        for steps in parts:
+            ms = sorted(1e3 * st[f["seconds"]] for st in steps)
+            cells.append(f"{len(steps):,}, {ms[len(ms) // 2]:.3f}" if steps else "-")
+        timed = parts[1]
+        secs = sum(st[f["seconds"]] for st in timed)
+        toks = sum(st[f["batch"]] + st[f["accepted"]] for st in timed)
+        kind = ("plain, chained" if ahead else "plain") if not length else f"{length} tokens"
+        lines.append(f"| {bucket_label(bucket)} | {kind} | {cells[0]} | {cells[1]} | "
+                     + (f"{toks / secs:,.0f}" if secs > 0 else "-") + " |")
+    return lines + [""]
 
 
 def _tps(r: dict) -> float:
@@ -334,6 +370,10 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="after each specdec system's timed pass, cProfile it over its first N prompts (at least "
                          "one batch), untimed; the top 30 functions by own time go below the tables")
+    ap.add_argument("--gate-history", action="store_true",
+                    help="'+gate' systems: keep every step the gate measures (DraftGate.keep_history) in the JSON, "
+                         "and below the tables each batch bucket's median step time by draft length, plain "
+                         "steps chained or not, in the warm-up pass and the timed run")
     ap.add_argument("--spec-bench", default=None, metavar="QUESTION_JSONL",
                     help="use the first turns of a Spec-Bench question.jsonl instead of HumanEval (--problems then "
                          "picks questions by index, e.g. 0-479)")
@@ -436,6 +476,7 @@ def main() -> None:
                         if ref and name.startswith("specdec") else "-")
                 text.append(f"| {name} | {tps_text} | {ratio} | {vs_null} | {mal} | {brk} | {floor} | {graphs} | {same} |")
             text.append("")
+            gate_tables = []  # '--gate-history', after the bullets
             for name, r in res.items():
                 dl = r.get("draft_length_stats") or {}
                 if dl.get("steps"):
@@ -451,6 +492,8 @@ def main() -> None:
                     text.append(f"- {name}: the draft gate at batch {bucket}: draft length {g['draft_length']} "
                                 f"(by length: steps, estimated tokens/s, accepted drafts per request: {by}; "
                                 f"{g.get('chained', 0):,} plain steps chained)")
+                if r.get("draft_gate_history"):
+                    gate_tables += gate_history_lines(name, r["draft_gate_history"])
                 hs = r.get("hybrid_stats")
                 if hs:
                     text.append(f"- {name}: drafts taken from the learned drafter {hs['learned']:,}, from the suffix "
@@ -485,6 +528,8 @@ def main() -> None:
                                     f"a propose, {1e3 * ds['device_s'] / max(1, r['steps']):.3f} ms a step "
                                     f"({ds['device_timed']:,} proposes timed; the forward column includes it)")
             text += category_table(res, b)
+            if gate_tables:
+                text += [""] + gate_tables
             for name, r in res.items():
                 if r.get("cprofile"):
                     text += [f"#### cProfile: {name}, batch {b} (top 30 by own time)", "", "```", r["cprofile"], "```", ""]

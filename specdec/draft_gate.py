@@ -62,9 +62,20 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-__all__ = ["DraftGate", "bucket_label", "bucket_of", "draft_lengths"]
+__all__ = ["DraftGate", "GateStep", "bucket_label", "bucket_of", "draft_lengths"]
+
+
+class GateStep(NamedTuple):
+    """One measured step, as :meth:`DraftGate.record` heard it (kept with :meth:`DraftGate.keep_history`)."""
+
+    batch: int  #: requests in the step
+    length: int  #: the most tokens each drafted (0: a plain step)
+    ahead: bool  #: a plain step launched ahead of the last (chained)
+    seconds: float  #: the step's wall time
+    accepted: int  #: drafted tokens accepted, over its requests
+    chosen: int  #: the length the bucket chose after it (its best estimate then)
 
 
 def bucket_of(batch: int) -> int:
@@ -284,6 +295,17 @@ class DraftGate:
         self.lengths = draft_lengths(max_draft)
         self._buckets: dict[int, _Bucket] = {}
         self._acceptance = _Acceptance(self.lengths, 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE))
+        #: the last measured steps (:class:`GateStep`), oldest first, once :meth:`keep_history` asked
+        #: for them; ``None`` before
+        self.history: deque[GateStep] | None = None
+
+    def keep_history(self, steps: int) -> None:
+        """From now on keep the last ``steps`` measured steps in :attr:`history` (each step's batch,
+        length, whether it was chained, wall time, accepted tokens and the length chosen after it):
+        what a benchmark reads to see why the gate chose as it did. ``0`` stops keeping them."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        self.history = deque(self.history or (), maxlen=steps) if steps else None
 
     def _bucket(self, key: int) -> _Bucket:
         b = self._buckets.get(key)
@@ -361,6 +383,9 @@ class DraftGate:
         self._acceptance.add(i, accepted)
         for other in self._buckets.values():  # every bucket's estimates read the new acceptance
             other._best = None
+        if self.history is not None:
+            self.history.append(GateStep(batch, length, bool(ahead and i == 0), seconds, sum(accepted),
+                                         self.lengths[b.best()]))
         if i == b.probing:
             b.probe_left -= 1
             if not b.probe_left:

@@ -678,6 +678,13 @@ class SpecEngine:
                                             d.confidence[:k]) for d, k in zip(drafts, keep)]
 
     @property
+    def draft_gate(self) -> DraftGate | None:
+        """With ``draft_gate``: the engine's :class:`~specdec.draft_gate.DraftGate` (read its
+        :meth:`~specdec.draft_gate.DraftGate.stats`, or :meth:`~specdec.draft_gate.DraftGate.keep_history`
+        to see its measured steps); ``None`` without it."""
+        return self._gate
+
+    @property
     def draft_gate_stats(self) -> dict | None:
         """With ``draft_gate``: per batch-size bucket (``"5-8"``), the draft length its steps take now
         (0: plain steps), and per length its steps, estimated tokens/s and accepted tokens per request

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import tiny_llama
 from specdec import EngineConfig, SamplingParams, SpecEngine
-from specdec.draft_gate import DraftGate, bucket_label, bucket_of, draft_lengths
+from specdec.draft_gate import DraftGate, GateStep, bucket_label, bucket_of, draft_lengths
 from specdec.drafters import Draft, Drafter, NullDrafter, SuffixAutomatonDrafter
 from specdec.drafters.block import BlockDrafterConfig, BlockDrafterNet, init_weights
 from specdec.drafters.dflash import DFlashDrafter, DSparkDrafter
@@ -211,6 +211,40 @@ def test_after_its_first_measurements_it_runs_within_a_tenth_of_the_best_length(
     best = max(env.rate(batch, n) for n in gate.lengths)
     got = sum(t for t, _ in achieved[100:]) / sum(s for _, s in achieved[100:])
     assert got >= 0.9 * best, (got, {n: env.rate(batch, n) for n in gate.lengths}, gate.stats())
+
+
+def test_its_history_keeps_the_last_measured_steps_as_recorded():
+    gate = DraftGate(4)
+    assert gate.history is None
+    gate.record(8, 4, [1] * 8, 0.01)  # not kept: no history asked for yet
+    gate.keep_history(3)
+    env = _Env(0.6, 0.002, 0.0005)
+    taken = _drive(gate, 5, env, batch=8)
+    gate.record(8, 0, [0] * 8, 0.004, ahead=True)
+    gate.record(8, 0, [0] * 8, 0.0)  # not measured: not kept either
+    assert len(gate.history) == 3 and all(isinstance(s, GateStep) for s in gate.history)
+    *_, last = gate.history
+    assert last == GateStep(8, 0, True, 0.004, 0, gate.draft_length(8))
+    assert [s.length for s in gate.history][:2] == taken[-2:]
+    assert all(s.accepted <= s.batch * s.length for s in gate.history)
+    gate.keep_history(10)  # a longer window keeps what it had
+    assert len(gate.history) == 3
+    gate.keep_history(0)
+    assert gate.history is None
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="steps"):
+            gate.keep_history(bad)
+
+
+def test_the_engine_s_gate_keeps_the_steps_it_measured(tiny):
+    engine = SpecEngine(tiny, _Slow(), max_num_seqs=8, draft_gate=True)
+    engine.draft_gate.keep_history(1000)
+    engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10, ignore_eos=True), chat=False)
+    hist = list(engine.draft_gate.history)
+    assert hist and all(s.batch in (1, 2) and s.seconds > 0 for s in hist)
+    # every generation step is measured (the prompt steps are not)
+    assert len(hist) == engine.timings["steps"] - 1
+    assert SpecEngine(tiny, _Slow()).draft_gate is None
 
 
 def test_steps_without_a_measurement_are_ignored():
