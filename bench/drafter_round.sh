@@ -26,6 +26,7 @@
 #                                       # beside one head at a time (NAME+unfolded), batch 1, 8, 32
 #   bash bench/drafter_round.sh plain   # e2e at batch 32: null, DFlash behind a gate that never drafts (every step
 #                                       # chained: what the drafter costs a plain step), DFlash + gate; with cProfile
+#                                       # and the gate's measured steps (--gate-history; chain too)
 #   OTHER=DIR bash bench/drafter_round.sh other # e2e at batch 1 and 32: the shipped DFlash beside the checkpoint in DIR
 #   bash bench/drafter_round.sh gate    # e2e on HumanEval 100-163, batch 1, 8, 32: each drafter with and without
 #                                       # draft_gate (+gate); gatesb: the same on 78 Spec-Bench first turns
@@ -134,8 +135,8 @@ for part in "$@"; do
       timeout 150 python -m pytest tests/test_draft_gate.py -m gpu -p no:cacheprovider -rA -o addopts= 2>&1 \
         | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -40 | tee "$OUT/gpu_tests_gate.txt"
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 8,32 --drafters null,dflash,dflash+gate --skip-hf --out "$OUT/e2e_gate_chain" 2>&1 \
-        | grep "^|\|draft gate\|launched ahead" ;;
+        --batch-sizes 8,32 --drafters null,dflash,dflash+gate --skip-hf --gate-history --out "$OUT/e2e_gate_chain" \
+        2>&1 | grep "^|\|draft gate\|launched ahead\|gate's measured" ;;
     fold)  # the propose's attention with a KV head's query heads folded into its query rows (the default)
            # against one head at a time, each drafter, in one run
       timeout 300 python bench/drafter_profile.py --device cuda --batch-sizes 1,8,32 --calls 20 --warmup 6 --no-engine \
@@ -144,8 +145,8 @@ for part in "$@"; do
     plain)  # what a drafter costs the plain regime a gate can settle in: every step plain and chained, at batch 32,
             # beside null and the gate itself, with the host's functions under cProfile (an untimed second pass)
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+gate --skip-hf --cprofile 32 \
-        --out "$OUT/e2e_plain" 2>&1 | grep "^|\|draft gate\|launched ahead" ;;
+        --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+gate --skip-hf --cprofile 32 --gate-history \
+        --out "$OUT/e2e_plain" 2>&1 | grep "^|\|draft gate\|launched ahead\|gate's measured" ;;
     depth)  # a deeper DFlash ($DEEP, default /tmp/ck-dflash: what `GROW=N ... train` left on this warm machine)
             # beside the shipped one: propose ms (compiled graphs) at batch 1, 8, 32, then e2e (the part `other`)
       deep=${DEEP:-/tmp/ck-dflash}
