@@ -48,9 +48,10 @@ Where the engine chains plain steps (an overlapped engine launches a plain step 
 one's tokens reach the host, on :meth:`DraftGate.plain_next`), a chained plain step costs less than
 one that is not: its host work hides behind the GPU's. A plain regime is nearly all chained steps,
 but the first after a drafting step, every warm-up's and probe's first, cannot be. The gate keeps
-the two apart (``record(..., ahead=True)``) and prices no draft at the chained steps' cost while the
-engine chains (until a plain step it would have promised is not chained: requests waiting, a
-preemption), else at the other steps' cost.
+the two apart (``record(..., ahead=True)``) and prices no draft at the chained steps' cost, mixed
+with the unchained steps' in the share of its last promised plain steps the engine declined (a
+request's last token, requests waiting, a preemption): a few declines barely move the price, an
+engine that stops chaining soon brings back the unchained one.
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
@@ -152,11 +153,10 @@ class _Bucket:
         # the engine does not chain)
         self.chained = deque(maxlen=DraftGate.WINDOW)
         self._chained_cost: float | None = None
-        # whether the engine chains this bucket's plain steps now: set by a chained plain step, cleared
-        # by an unchained plain step after one the gate would have promised (DraftGate.plain_next): the
-        # engine declined (requests waiting, a preemption, a request's last token), so the chained
-        # cost is not used where steps do not chain
-        self.chaining = False
+        # what became of the last plain steps the gate promised (DraftGate.plain_next): True, chained;
+        # False, declined (an unchained plain step after one the gate would have promised: requests
+        # waiting, a preemption, a request's last token). Their share prices a plain regime's steps
+        self.promises = deque(maxlen=DraftGate.WINDOW)
         self.would_promise = False  # plain_next's answer during the last recorded step
         self.acceptance = acceptance  # shared by every bucket
         self.steps = [0] * len(lengths)
@@ -175,13 +175,23 @@ class _Bucket:
         ahead of the last, chained): the caches are stale."""
         if i == 0 and ahead:
             self.chained.append(cost)
+            self.promises.append(True)
             self._chained_cost = self._best = None
-            self.chaining = True
         else:
             self.cost[i].append(cost)
             self._cost[i] = self._best = None
-            if i == 0 and self.would_promise:  # promised, yet not chained: the engine does not chain now
-                self.chaining = False
+            if i == 0 and self.would_promise:  # promised, yet not chained: the engine declined
+                self.promises.append(False)
+
+    def declined(self) -> float:
+        """The share of the last promised plain steps the engine did not chain (0 before any)."""
+        return self.promises.count(False) / len(self.promises) if self.promises else 0.0
+
+    @property
+    def chaining(self) -> bool:
+        """Whether the engine chains this bucket's plain steps now: a chained one was measured and
+        it declined under half of the last promised ones."""
+        return bool(self.chained) and self.declined() < 0.5
 
     def chained_cost(self) -> float | None:
         """Seconds per request of a chained plain step (the mean of its window, outliers left out as
@@ -232,17 +242,20 @@ class _Bucket:
         return None if c is None or a is None or c <= 0 else (1.0 + a) / c
 
     def plain_rate(self) -> float | None:
-        """Tokens per second per request of the plain steps the gate would run: the chained ones'
-        while the engine chains this bucket's plain steps (a plain regime is nearly all chained
-        steps, its first is the only one that is not; :meth:`DraftGate.plain_next` promises the next
-        one plain while no draft leads at all, once chained); else those of the steps that were not
-        chained. The engine stops chaining where it declines a promised
-        step (requests waiting, a preemption): an unchained plain step after a step the gate would
-        have promised shows it."""
-        chained = self.chained_cost()
-        if self.chaining and chained is not None and chained > 0:
+        """Tokens per second per request of the plain steps the gate would run. Where the engine
+        chains them (a chained one measured), a plain regime is chained steps but where the engine
+        declines a promised one (:meth:`declined`: a request's last token, requests waiting, a
+        preemption): each step costs ``d`` times an unchained one and ``1 - d`` times a chained one
+        (:meth:`DraftGate.plain_next` promises the next step plain while no draft leads at all, once
+        chained, so the first of a run is the only other). A few declines (requests ending) barely
+        move it; an engine that stops chaining soon shows the unchained cost again. Else the
+        steps that were not chained."""
+        chained, c = self.chained_cost(), self.step_cost(0)
+        if chained is not None and chained > 0:
+            d = self.declined()
+            if d and self.cost[0]:
+                chained = d * self.measured_cost(0) + (1.0 - d) * chained
             return 1.0 / chained
-        c = self.step_cost(0)
         return None if c is None or c <= 0 else 1.0 / c
 
     def best(self) -> int:
@@ -375,7 +388,7 @@ class DraftGate:
         b = self._bucket(bucket_of(batch))
         i = self.lengths.index(length)
         # what an overlapped engine heard during this step (needed only to see it decline a chain)
-        would = i == 0 and b.chaining and self.plain_next(batch)
+        would = i == 0 and bool(b.chained) and self.plain_next(batch)
         b.steps[i] += 1
         b.chained_steps += ahead and i == 0
         b.measured(i, seconds / len(accepted), ahead and i == 0)

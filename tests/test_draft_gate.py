@@ -311,14 +311,18 @@ class _Chaining(_Env):
 
 
 def _drive_chaining(gate: DraftGate, steps: int, env: _Chaining, batch: int = 8, tell: bool = True,
-                    check_promises: bool = False, chains: bool = True) -> list[int]:
+                    check_promises: bool = False, chains: bool = True, decline_every: int = 0) -> list[int]:
     """As an overlapped engine runs the gate: a step is launched ahead (chained) when the gate
-    promised it plain during the last one (``chains=False``: never, as an engine that declines);
+    promised it plain during the last one (``chains=False``: never, as an engine that declines;
+    ``decline_every=N``: every N-th promise declined, as at a request's last token);
     ``tell``: the gate hears which were (``ahead``)."""
-    out, ahead = [], False
+    out, ahead, promises = [], False, 0
     for _ in range(steps):
         n = 0 if ahead else gate.draft_length(batch)
         promised = n == 0 and gate.plain_next(batch) and chains
+        if promised and decline_every:
+            promises += 1
+            promised = promises % decline_every != 0
         gate.record(batch, n, env.accepted(batch, n), env.step_seconds(batch, n, ahead), **({"ahead": ahead} if tell else {}))
         if check_promises and promised:
             assert gate.draft_length(batch) == 0
@@ -343,13 +347,41 @@ def test_chained_plain_steps_are_priced_apart_from_the_first_of_a_run():
 
 def test_when_the_engine_stops_chaining_no_draft_is_priced_unchained_again():
     """An engine that declines to chain (requests waiting, a preemption) runs plain steps unchained:
-    two in a row show it, no draft is priced at their cost again, and the gate goes back to drafting."""
+    its declines soon outnumber the chained steps, no draft is priced at their cost again, and the
+    gate goes back to drafting."""
     gate = DraftGate(8)
     env = _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4)
     chained = _drive_chaining(gate, 2 * W + 400, env)
     assert chained[-200:].count(0) > 0.9 * 200
     declined = _drive_chaining(gate, 400, env, chains=False)
     assert declined[-300:].count(0) < 0.1 * 300, declined[-300:]
+
+
+def test_a_few_declined_chains_do_not_unprice_the_chained_plain_steps():
+    """Requests that end decline a chained step now and then (one promise in 12 here): the plain
+    regime stays chained but for those, and the gate stays in it."""
+    gate = DraftGate(8)
+    env = _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4)
+    taken = _drive_chaining(gate, 2 * W + 800, env, decline_every=12)
+    assert taken[-400:].count(0) > 0.9 * 400, taken[-400:]
+    b = gate._buckets[bucket_of(8)]
+    assert 0 < b.declined() < 0.2 and b.chaining
+    # priced between the two costs, near the chained one
+    chained, unchained = b.chained_cost(), b.measured_cost(0)
+    assert chained < 1 / b.plain_rate() < chained + 0.2 * (unchained - chained)
+
+
+def test_a_chain_declined_at_the_end_of_a_generate_leaves_the_plain_regime_priced_chained():
+    """A request's last token declines a chained step; when that is the bucket's last step (the batch
+    then ends or leaves the bucket), the next step in the bucket, a new ``generate``'s, still finds
+    the plain regime priced as chained and takes it (a latch cleared by one decline sent it back to
+    drafting for good: its plain steps were never promised again)."""
+    gate = DraftGate(8)
+    env = _Chaining(p=0.8, fixed=0.06, per_row=0.0005, chained=0.4)
+    _drive_chaining(gate, 2 * W + 100, env)
+    assert gate.plain_next(8)
+    gate.record(8, 0, env.accepted(8, 0), env.step_seconds(8, 0, False))  # promised, not chained
+    assert gate.draft_length(8) == 0 and gate.plain_next(8)
 
 
 def test_a_bucket_begun_by_chained_steps_still_prices_drafts():
