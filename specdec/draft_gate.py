@@ -34,6 +34,12 @@ tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per 
   changes). A bucket the batch has just reached (a ``generate`` whose batch shrinks as requests
   finish) then decides from every step so far, not from its own first few.
 
+The choice reads ``A`` raised by one standard error (:data:`~DraftGate.OPTIMISM`; from the
+spread of the request-steps behind it and how many they amount to, older ones weighing less): a
+length known from few request-steps, such as a probe's four at batch 1, is tried where it could
+win, and its own steps then settle it, where a low first estimate would have kept the gate away
+from it until the next probe.
+
 A new bucket first measures the cost of the length its nearest measured bucket chose (the longest
 where there is none: what the engine does without the gate) and of no draft,
 :data:`~DraftGate.WARMUP` steps each, then of any length whose estimate leads while its cost is
@@ -61,6 +67,7 @@ prompt tokens are measured (a prompt chunk's compute would swamp the comparison)
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from typing import NamedTuple, Sequence
@@ -111,6 +118,11 @@ class _Acceptance:
         # least L_j, and those request-steps, each weighted by 1/2 per ACCEPT_HALF_LIFE steps since
         self.sum = [0.0] * len(lengths)
         self.n = [0.0] * len(lengths)
+        # per length L_i: min(a, L_i) squared, summed as above, and the weights squared (how many
+        # request-steps the weighted ones amount to): the estimate's standard error (stderr)
+        self.sq = [0.0] * len(lengths)
+        self.tot = [0.0] * len(lengths)
+        self.w2 = [0.0] * len(lengths)
 
     def add(self, i: int, accepted: Sequence[int]) -> None:
         """A step drafted at most ``lengths[i]`` tokens and its requests had ``accepted`` accepted."""
@@ -121,15 +133,23 @@ class _Acceptance:
         for t in range(length - 1, -1, -1):
             at_least[t] += at_least[t + 1]
         upto = [0] * (length + 1)  # upto[L]: min(a, L) summed over the requests
+        sq_upto = [0] * (length + 1)  # and min(a, L) squared
         for t in range(1, length + 1):
             upto[t] = upto[t - 1] + at_least[t]
-        keep = self.keep
+            sq_upto[t] = sq_upto[t - 1] + (2 * t - 1) * at_least[t]
+        keep, keep2 = self.keep, self.keep * self.keep
         for j in range(1, len(self.lengths)):
             self.sum[j] *= keep
             self.n[j] *= keep
+            self.sq[j] *= keep
+            self.tot[j] *= keep
+            self.w2[j] *= keep2
             if j <= i:  # this step tells what every length up to its own would have had accepted
                 self.sum[j] += upto[self.lengths[j]] - upto[self.lengths[j - 1]]
                 self.n[j] += len(accepted)
+                self.tot[j] += upto[self.lengths[j]]
+                self.sq[j] += sq_upto[self.lengths[j]]
+                self.w2[j] += len(accepted)
 
     def mean(self, i: int) -> float | None:
         """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
@@ -140,6 +160,17 @@ class _Acceptance:
                 return None
             total += self.sum[j] / self.n[j]
         return total
+
+    def stderr(self, i: int) -> float:
+        """The standard error of :meth:`mean` at length ``i``, from the request-steps that drafted at
+        least ``lengths[i]`` (their spread over how many they amount to, weights considered); 0
+        without two of them."""
+        n, w2 = self.n[i], self.w2[i]
+        if i == 0 or n <= 1e-9 or w2 <= 1e-12 or n * n / w2 < 2.0:
+            return 0.0
+        mean = self.tot[i] / n
+        var = max(0.0, self.sq[i] / n - mean * mean)
+        return math.sqrt(var * w2) / n
 
 
 class _Bucket:
@@ -233,13 +264,19 @@ class _Bucket:
         f = (self.lengths[i] - self.lengths[lo]) / (self.lengths[hi] - self.lengths[lo])
         return c_lo + f * (c_hi - c_lo)
 
-    def rate(self, i: int) -> float | None:
+    def rate(self, i: int, optimistic: bool = True) -> float | None:
         """Tokens per second per request at length ``i``: ``(1 + A) / c``; ``None`` where either part
-        is unknown. No draft (``i = 0``): :meth:`plain_rate`."""
+        is unknown. No draft (``i = 0``): :meth:`plain_rate`. ``optimistic`` (what the choices read):
+        ``A`` raised by :data:`DraftGate.OPTIMISM` standard errors, so that a length known from a
+        few request-steps (a batch of 1 probing it) is tried until its steps say otherwise."""
         if i == 0:
             return self.plain_rate()
         c, a = self.step_cost(i), self.acceptance.mean(i)
-        return None if c is None or a is None or c <= 0 else (1.0 + a) / c
+        if c is None or a is None or c <= 0:
+            return None
+        if optimistic:
+            a = min(a + DraftGate.OPTIMISM * self.acceptance.stderr(i), float(self.lengths[i]))
+        return (1.0 + a) / c
 
     def plain_rate(self) -> float | None:
         """Tokens per second per request of the plain steps the gate would run. Where the engine
@@ -303,6 +340,8 @@ class DraftGate:
     #: plain steps start to be launched ahead only where no draft leads every other length by this
     #: factor; once they chain, while it leads at all (:meth:`plain_next`)
     CHAIN_MARGIN = 1.02
+    #: standard errors added to a length's accepted tokens where the gate chooses (:meth:`_Bucket.rate`)
+    OPTIMISM = 0.5
 
     def __init__(self, max_draft: int) -> None:
         self.lengths = draft_lengths(max_draft)
@@ -433,7 +472,9 @@ class DraftGate:
         """Per bucket (keyed by its batch sizes, e.g. ``"5-8"``): ``draft_length``, the length its
         steps take now; per length measured, ``steps`` and ``tok_s`` (its estimated tokens per
         second, ``(1 + A) / c``: tokens per request over seconds per request; for no draft, that of
-        the plain steps the gate would run, :meth:`_Bucket.plain_rate`); per length with acceptance
+        the plain steps the gate would run, :meth:`_Bucket.plain_rate`; without the optimism its
+        choice adds, so a length known from few request-steps may be chosen over a higher figure
+        here); per length with acceptance
         measured, ``accepted`` (``A``, accepted drafted tokens per request, the same in every bucket:
         it is measured over all of them); ``chained``, the plain steps launched ahead of the last;
         ``probes``, the probes so far."""
@@ -442,7 +483,7 @@ class DraftGate:
             b = self._buckets[k]
             if not any(b.steps):  # asked, never measured (its steps ran prompt tokens)
                 continue
-            rates = {n: b.rate(i) for i, n in enumerate(self.lengths) if b.steps[i]}
+            rates = {n: b.rate(i, optimistic=False) for i, n in enumerate(self.lengths) if b.steps[i]}
             out[bucket_label(k)] = {
                 "draft_length": self.lengths[b.best()],
                 "steps": {n: s for n, s in zip(self.lengths, b.steps) if s},
