@@ -14,12 +14,15 @@ Shapes: H 128, q_len 1, pages of 64, bf16 queries and cache, batch {1, 64} x con
 - ``prev``: the path ``cute_mla`` had before (:class:`PreviousPath`, also what
   ``tests/test_cute_mla.py`` compares the new path with: eight ``from_dlpack`` conversions, the
   scalars wrapped, the DSL's own argument marshalling on every call, ``merge_partials``);
-  ``new``: ``CuteMLABackend.attend`` (``launch_args`` written into a ``PreparedLaunch``,
-  ``merge_splits``); ``triton``: ``TritonMLABackend.attend``, same inputs;
+  ``new``: ``CuteMLABackend(merge="torch").attend`` (``launch_args`` written into a
+  ``PreparedLaunch``, ``merge_splits``); ``fused``: the default ``CuteMLABackend().attend`` (the
+  same launch, the split partials merged in one Triton launch); ``triton``:
+  ``TritonMLABackend.attend``, same inputs;
 - ``prep_prev`` / ``prep_new``: the argument preparation alone (conversions + marshalling, against
   ``launch_args`` + ``PreparedLaunch.write``); ``launch_new`` / ``merge_new`` / ``merge_prev``: the
-  new path's launch and merge alone, and ``merge_partials``;
-- ``bitwise``: the two ``cute_mla`` paths' outputs and LSEs compared bit for bit.
+  new path's launch and merge alone, and ``merge_partials``; ``merge_fused``: the fused merge alone;
+- ``fused_max_diff``: the fused path's largest difference from ``new`` (output or LSE);
+- ``bitwise``: the ``prev`` and ``new`` paths' outputs and LSEs compared bit for bit.
 
 Writes ``cute_host.md`` and ``cute_host.json`` to ``--out``.
 """
@@ -41,7 +44,8 @@ H, Q_LEN, PAGE = 128, 1, 64
 BATCHES, CONTEXTS = (1, 64), (1024, 32768)
 LATENT, ROPE = 512, 64
 COLUMNS = ("batch", "context", "splits", "prev_host", "new_host", "triton_host", "prev_sync", "new_sync",
-           "triton_sync", "prep_prev", "prep_new", "launch_new", "merge_new", "merge_prev", "bitwise")
+           "triton_sync", "prep_prev", "prep_new", "launch_new", "merge_new", "merge_prev", "fused_host", "fused_sync",
+           "merge_fused", "fused_max_diff", "bitwise")
 
 
 def previous_args(plan, q2, kv2, o_part, lse_part, scale_log2, v_scale, num_heads, splits, grid_m, stream=0, *,
@@ -140,8 +144,9 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype]))
 
 
-def measure(bench, prev, new, triton_backend, *, batch: int, context: int, reps: int) -> dict:
+def measure(bench, prev, new, triton_backend, *, fused, batch: int, context: int, reps: int) -> dict:
     from specdec.attention.backends.cute_mla import BLOCK_M, launch_args, merge_splits
+    from specdec.attention.backends.triton_mla import merge_split_partials
     from specdec.attention.mla_pack import LOG2E, merge_partials, row_blocks
 
     phase, q = bench.step(h=H, q_len=Q_LEN, batch=batch, context=context, page=PAGE)
@@ -162,6 +167,13 @@ def measure(bench, prev, new, triton_backend, *, batch: int, context: int, reps:
 
     def run_triton():
         return triton_backend.attend(t_plan, q, cache, scale, LATENT)
+
+    def run_fused():
+        return fused.attend(plan, q, cache, scale, LATENT)
+
+    out_fused, lse_fused = fused.attend(plan, q, cache, scale, LATENT, return_lse=True)
+    fused_err = max((out_fused.float() - out_new.float()).abs().max().item(),
+                    (lse_fused - lse_new).abs().max().item())
 
     # the pieces, on the shape's own buffers
     splits = new.splits_for(plan, H)
@@ -190,7 +202,10 @@ def measure(bench, prev, new, triton_backend, *, batch: int, context: int, reps:
                launch_new=median_us(lambda: new._launch(*pieces), reps),
                merge_new=median_us(lambda: merge_splits(o3, l2, torch.bfloat16, with_lse=False), reps),
                merge_prev=median_us(lambda: merge_partials(o3, l2, torch.bfloat16), reps),
-               bitwise="yes" if same else "NO")
+               fused_host=median_us(run_fused, reps), fused_sync=median_us(run_fused, reps, sync=True),
+               merge_fused=median_us(lambda: merge_split_partials(o_part, lse_part, batch * Q_LEN, H, torch.bfloat16,
+                                                                  with_lse=False), reps),
+               fused_max_diff=fused_err, bitwise="yes" if same else "NO")
     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), file=sys.stderr)
     return row
 
@@ -220,9 +235,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     bench = Bench(torch, triton, on_gpu=True, latent=LATENT, rope=ROPE, reps=args.reps,
                   max_tokens=max(BATCHES) * max(CONTEXTS))
-    new = cute_mla.CuteMLABackend()
+    new, fused = cute_mla.CuteMLABackend(merge="torch"), cute_mla.CuteMLABackend()  # fused: the default merge
     prev, triton_backend = PreviousPath(new), TritonMLABackend()
-    rows = [measure(bench, prev, new, triton_backend, batch=b, context=c, reps=args.reps)
+    rows = [measure(bench, prev, new, triton_backend, fused=fused, batch=b, context=c, reps=args.reps)
             for b in BATCHES for c in CONTEXTS]
     fmt = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
@@ -231,8 +246,10 @@ def main(argv=None) -> int:
     md = "\n".join(["# cute_mla host cost per call (µs)", "", header, "",
                     "`*_host`: the call alone, GPU idle before it; `*_sync`: with `torch.cuda.synchronize()`. "
                     "`prev`: the previous path (from_dlpack conversions + the DSL's marshalling + merge_partials); "
-                    "`new`: the prepared launch + merge_splits; `prep_*`: argument preparation alone; "
-                    "`launch_new` / `merge_*`: the pieces; `bitwise`: prev and new outputs (and LSEs) bit-identical.",
+                    "`new`: the prepared launch + merge_splits; `fused`: the prepared launch + the fused merge (the "
+                    "default); `prep_*`: argument preparation alone; `launch_new` / `merge_*`: the pieces; "
+                    "`fused_max_diff`: the fused path's largest difference from `new` (output or LSE); "
+                    "`bitwise`: prev and new outputs (and LSEs) bit-identical.",
                     "", *fmt, "", f"{time.perf_counter() - t0:.0f} s in all."])
     write_results(args.out, "cute_host", md, dict(header=header, rows=rows))
     return 0 if all(r["bitwise"] == "yes" for r in rows) else 1

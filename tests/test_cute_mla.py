@@ -525,6 +525,12 @@ def test_merge_splits_equals_merge_partials_bit_for_bit(rows, splits, dv, empty,
     assert none is None
 
 
+def test_the_merge_is_fused_or_torch_s_and_nothing_else():
+    assert CuteMLABackend().merge == "fused" and CuteMLABackend(merge="torch").merge == "torch"
+    with pytest.raises(ValueError, match="merge must be one of"):
+        CuteMLABackend(merge="tensor")
+
+
 def test_merge_splits_runs_fewer_ops():
     """The torch ops each merge dispatches (views and allocations left out): 10 for the output, 13 with
     the LSE, where merge_partials runs 20 (each one a kernel launch on a GPU)."""
@@ -965,7 +971,7 @@ class TestGPU:
             batch, cache = shard_pool(batch, cache, HelixLayout(cp, tpb), cp - 1)
         batch, cache = dataclasses.replace(batch, device=torch.device("cuda")), cache.cuda()
         q = torch.randn(7, 96, 576, generator=torch.Generator().manual_seed(tpb)).to("cuda", torch.bfloat16)
-        backend = CuteMLABackend(num_splits=splits)
+        backend = CuteMLABackend(num_splits=splits, merge="torch")
         plan = backend.plan(batch)
         kw = dict(kv_scale=kv_scale, out_dtype=torch.float32 if cp > 1 else None)
         now = backend.attend(plan, q, cache, (128 + 64) ** -0.5, 512, return_lse=True, **kw)
@@ -973,6 +979,11 @@ class TestGPU:
         for got, want in zip(now, before, strict=True):
             assert_same_bits(got.cpu(), want.cpu())
         assert_same_bits(backend.attend(plan, q, cache, (128 + 64) ** -0.5, 512, **kw).cpu(), now[0].cpu())
+        # the default, fused merge: the same merge up to fp32 rounding (bf16 outputs within a rounding)
+        fused = CuteMLABackend(num_splits=splits).attend(plan, q, cache, (128 + 64) ** -0.5, 512, return_lse=True, **kw)
+        tol = dict(rtol=1e-5, atol=1e-5) if kw["out_dtype"] == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(fused[0].float(), now[0].float(), **tol)
+        torch.testing.assert_close(fused[1], now[1], rtol=1e-5, atol=1e-5)
 
     # ---- FP8 E4M3 cache: the gate for cute_mla.FP8_VALIDATED_SM
 

@@ -532,6 +532,66 @@ def test_helix_run_on_gloo_ranks_equals_the_unsharded_reference(tmp_path):
                 proc.terminate()
 
 
+def _kernel_like_partials(num_tokens: int, heads: int, splits: int, dv: int, device: str, seed: int):
+    """Split partials as a split-KV kernel leaves them: finite where the split saw keys, and where it
+    saw none ``lse = -inf`` over a partial never written (NaN, infinities, huge values); some rows
+    see no key at all (a Helix rank's)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = num_tokens * heads
+    lse2 = torch.randn(rows, splits, generator=g).mul(20)
+    o = torch.randn(rows, splits, dv, generator=g)
+    empty = torch.rand(rows, splits, generator=g) < 0.3
+    empty[torch.rand(rows, generator=g) < 0.15] = True  # whole rows
+    junk = torch.tensor([math.nan, math.inf, -math.inf, 3e38])[torch.randint(0, 4, (rows, splits, dv), generator=g)]
+    o = torch.where(empty[..., None], junk, o)
+    lse2 = lse2.masked_fill(empty, -math.inf)
+    return o.reshape(rows * splits, dv).to(device), lse2.reshape(-1).to(device)
+
+
+def _check_merge(num_tokens, heads, splits, dv, out_dtype, device, seed):
+    from specdec.attention.mla_pack import merge_partials
+
+    o, lse2 = _kernel_like_partials(num_tokens, heads, splits, dv, device, seed)
+    want, want_lse = merge_partials(o.view(-1, splits, dv).clone(), lse2.view(-1, splits), out_dtype)
+    got, got_lse = triton_mla.merge_split_partials(o, lse2, num_tokens, heads, out_dtype)
+    assert got.shape == (num_tokens, heads, dv) and got.dtype == out_dtype and got_lse.shape == (num_tokens, heads)
+    tol = dict(rtol=1e-5, atol=1e-6) if out_dtype == F32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.reshape(-1, dv).float().cpu(), want.float().cpu(), **tol)
+    torch.testing.assert_close(got_lse.reshape(-1).cpu(), want_lse.cpu(), rtol=1e-5, atol=1e-5)  # -inf on -inf
+    only, none = triton_mla.merge_split_partials(o, lse2, num_tokens, heads, out_dtype, with_lse=False)
+    assert none is None and torch.equal(only, got)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("num_tokens", "heads", "splits", "dv", "out_dtype"),
+                         [(1, 1, 1, 8, F32), (3, 5, 4, 16, F32), (2, 20, 7, 32, BF16), (4, 16, 2, 8, BF16)])
+def test_the_merge_of_another_kernel_s_partials_equals_merge_partials(num_tokens, heads, splits, dv, out_dtype):
+    """``merge_split_partials`` (``cute_mla``'s merge, one launch): ``merge_partials``'s result up to fp32
+    rounding, whatever a split that saw no key left in its partial; rows with no key get 0 and -inf."""
+    for seed in range(3):
+        _check_merge(num_tokens, heads, splits, dv, out_dtype, "cpu", seed)
+
+
+def test_the_merge_refuses_partials_that_do_not_fit():
+    o, lse2 = torch.zeros(2 * 3 * 4, 8), torch.zeros(2 * 3 * 4)
+    with pytest.raises(ValueError, match="rows of splits"):
+        triton_mla.merge_split_partials(o, lse2[:-1], 2, 3, F32)
+    with pytest.raises(ValueError, match="rows of splits"):
+        triton_mla.merge_split_partials(o[:-1], lse2, 2, 3, F32)
+    with pytest.raises(ValueError, match="power of two"):
+        triton_mla.merge_split_partials(torch.zeros(24, 6), lse2, 2, 3, F32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU (and kernels built for it)")
+@pytest.mark.parametrize("splits", [1, 4, 64])
+def test_the_merge_of_another_kernel_s_partials_on_the_gpu(splits):
+    """At cute_mla's widths: 512-wide values, 96 and 128 heads."""
+    for heads, seed in ((96, 0), (128, 1)):
+        _check_merge(8, heads, splits, 512, BF16, "cuda", seed)
+        _check_merge(2, heads, splits, 512, F32, "cuda", seed + 2)
+
+
 # One field of a small base shape changed at a time; ``ok`` is what supports must say.
 SWEEP = [
     *[(dict(tokens_per_block=t), t in (16, 32, 64, 128)) for t in (8, 16, 32, 64, 128, 256)],

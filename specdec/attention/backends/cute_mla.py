@@ -126,14 +126,17 @@ path's cost (``bench/cute_host.py`` times both paths and the pieces on a GPU):
   q_len 1, bf16) a batch-1 call with 1K context went from 458 to 156 µs (``triton_mla`` 76), with
   outputs and LSEs bit-identical to the previous path's and the 156 GPU tests passing; argument
   preparation is 8 µs, the launch 19 µs and the merge 83-89 µs, at one split as at 64.
-* :func:`merge_splits` merges in 10 tensor ops (13 with the LSE) where ``merge_partials`` takes
-  20, with the same results bit for bit. These ops are most of what is left; one fused merge
-  kernel (or a merge inside the kernel, which would change the rounding) is the next step.
+* The merge: by default one Triton launch (``merge="fused"``,
+  :func:`~specdec.attention.backends.triton_mla.merge_split_partials`: ``triton_mla``'s own merge
+  kernel, told that a split with no key left its partial unwritten), the same merge up to fp32
+  rounding. ``merge="torch"`` keeps :func:`merge_splits`: 10 tensor ops (13 with the LSE) where
+  ``merge_partials`` takes 20, with the same results bit for bit (the calling-path comparisons
+  use it). Not yet timed on a GPU against the 83-89 µs of the tensor ops.
 * Not used: TVM-FFI (``cute.compile(..., options="--enable-tvm-ffi")``), which takes torch tensors
   directly but needs the ``apache-tvm-ffi`` package; ``bench/cute_host.py`` times the previous
   path, this one and ``triton_mla`` on the same shapes.
 
-Not done yet (in order): one fused merge kernel (the host cost above); measuring the FP8
+Not done yet (in order): timing the fused merge (the host cost above); measuring the FP8
 converters against the consumers (if they are the bottleneck: fp16 dots as ``triton_mla``
 does, i.e. e4m3 -> f16 is one ``cvt`` per two values and Q is converted once per CTA with a
 power-of-two scale per row, or the consumers converting too); bf16 output written by the
@@ -223,8 +226,22 @@ class CuteMLABackend(AttentionBackend):
 
     name = "cute_mla"
 
-    def __init__(self, num_splits: int | None = None):
+    #: how split partials are merged: ``"fused"``, one Triton launch
+    #: (:func:`~specdec.attention.backends.triton_mla.merge_split_partials`); ``"torch"``,
+    #: :func:`merge_splits` (10-13 tensor ops, bit for bit ``merge_partials``)
+    MERGES = ("fused", "torch")
+
+    def __init__(self, num_splits: int | None = None, merge: str = "fused"):
+        """Args:
+            num_splits: split-KV count for every call; ``None``: the makespan model
+                (``mla_pack.choose_splits``).
+            merge: ``"fused"`` (default): the split partials merged in one Triton launch, the
+                same merge up to fp32 rounding; ``"torch"``: :func:`merge_splits`, bit for bit the
+                reference ``merge_partials`` (what the calling-path comparisons use)."""
+        if merge not in self.MERGES:
+            raise ValueError(f"cute_mla: merge must be one of {self.MERGES}, got {merge!r}")
         self.num_splits = num_splits  # None: the makespan model (mla_pack.choose_splits)
+        self.merge = merge
         self._compiled = _COMPILED  # shared by every instance: one compile per kernel configuration
 
     # ------------------------------------------------------------------ supports / cost
@@ -371,8 +388,14 @@ class CuteMLABackend(AttentionBackend):
         grid_m = row_blocks(plan.max_q_len, num_heads, BLOCK_M)
         self._launch(plan, q.view(n_rows, head_dim), k_cache.view(-1, head_dim), o_part, lse_part,
                      scale * kv_scale * LOG2E, kv_scale, num_heads, splits, grid_m)
-        out, lse = merge_splits(o_part.view(n_rows, splits, v_head_dim), lse_part.view(n_rows, splits),
-                                out_dtype or q.dtype, with_lse=return_lse)
+        if self.merge == "fused" and o_part.is_cuda:
+            from specdec.attention.backends.triton_mla import merge_split_partials  # triton: a GPU extra
+
+            out, lse = merge_split_partials(o_part, lse_part, num_tokens, num_heads, out_dtype or q.dtype,
+                                            with_lse=return_lse)
+        else:
+            out, lse = merge_splits(o_part.view(n_rows, splits, v_head_dim), lse_part.view(n_rows, splits),
+                                    out_dtype or q.dtype, with_lse=return_lse)
         out = out.view(num_tokens, num_heads, v_head_dim)
         return (out, lse.view(num_tokens, num_heads)) if return_lse else out
 

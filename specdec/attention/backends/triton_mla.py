@@ -268,6 +268,7 @@ def _mla_merge(
     LAT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr = False,  # a split with lse = -inf adds nothing, whatever its partial holds
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -280,6 +281,8 @@ def _mla_merge(
     for s in range(num_splits):  # online merge; an empty split has lse = -inf and weight 0
         lse = tl.load(LsePart + part + s, mask=head_ok, other=float("-inf"))
         o = tl.load(OPart + (part + s)[:, None] * LAT + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+        if SKIP_EMPTY:  # the split saw no key: its partial was never written (w = 0 would keep a NaN)
+            o = tl.where((lse == float("-inf"))[:, None], 0.0, o)
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -302,6 +305,44 @@ def _mla_merge(
 # Triton decides at decoration time whether a kernel is compiled or interpreted
 # (TRITON_INTERPRET=1 at import); fixed for the life of the module.
 INTERPRET: bool = is_interpreted(_mla_stage1)
+
+
+def merge_split_partials(o_part: torch.Tensor, lse2_part: torch.Tensor, num_tokens: int, num_heads: int,
+                         out_dtype: torch.dtype, *, with_lse: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Merge another kernel's split-KV partials in one launch of :func:`_mla_merge` (``cute_mla``'s).
+
+    Args:
+        o_part: ``[num_tokens * num_heads * splits, Dv]`` fp32, row ``(t * H + h) * splits + s``:
+            split ``s``'s output normalised over its own keys; anything (never written, NaN) where
+            that split saw no key.
+        lse2_part: ``[num_tokens * num_heads * splits]`` fp32, base-2 log-sum-exp; ``-inf`` where
+            the split saw no key.
+        out_dtype: the merged output's dtype.
+        with_lse: also return the natural-log LSE.
+
+    Returns:
+        ``(out [num_tokens, num_heads, Dv] out_dtype, lse [num_tokens, num_heads] fp32 or None)``;
+        a row no split saw gets ``out = 0`` and ``lse = -inf``. The same merge as
+        :func:`specdec.attention.mla_pack.merge_partials` up to fp32 rounding (an online merge over
+        the splits in order, not a max first), for partials as a kernel writes them.
+    """
+    rows = num_tokens * num_heads
+    dv = o_part.shape[-1]
+    if rows == 0 or o_part.numel() % (rows * dv) or lse2_part.numel() * dv != o_part.numel():
+        raise ValueError(f"merge_split_partials: o_part {tuple(o_part.shape)} / lse2_part {tuple(lse2_part.shape)} "
+                         f"do not hold {num_tokens} x {num_heads} rows of splits")
+    if dv & (dv - 1):
+        raise ValueError(f"merge_split_partials: the value width must be a power of two, got {dv}")
+    splits = lse2_part.numel() // rows
+    out = torch.empty(num_tokens, num_heads, dv, dtype=out_dtype, device=o_part.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=o_part.device) if with_lse else out
+    block_h = min(16, triton.next_power_of_2(num_heads))
+    _mla_merge[(num_tokens, triton.cdiv(num_heads, block_h))](
+        o_part, lse2_part, out, lse, num_heads, splits, out.stride(0), out.stride(1),
+        LAT=dv, BLOCK_H=block_h, STORE_LSE=with_lse, SKIP_EMPTY=True, num_warps=4,
+    )  # fmt: skip
+    return out, (lse if with_lse else None)
 
 
 @dataclass(frozen=True, slots=True)
