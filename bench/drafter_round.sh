@@ -32,6 +32,7 @@
 #                                       # draft_gate (+gate); gatesb: the same on 78 Spec-Bench first turns
 #   bash bench/drafter_round.sh gputests # GPU tests of block-drafter propose (graphs, staged context writes) and sampling
 #   bash bench/drafter_round.sh hostprofile # e2e at batch 1 with cProfile of each drafter's host functions
+#   bash bench/drafter_round.sh hybrid  # e2e at batch 1 and 8 (BATCHES): null, suffix, DFlash and both hybrids
 #   bash bench/drafter_round.sh depth   # a deeper DFlash (GROW=N train first, same machine) beside the shipped one:
 #                                       # propose ms at batch 1, 8, 32 and e2e at batch 1 and 32
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
@@ -203,6 +204,11 @@ for part in "$@"; do
       done
       wait
       cat /tmp/jc-dflash.txt /tmp/jc-dspark.txt | tee -a "$OUT/jointcheck.txt" ;;
+    hybrid)  # the shipped drafters beside both hybrids (DSpark's, DFlash's), batch 1 and 8: the learned
+             # drafters' best chance against the suffix drafter (CPU tau 3.78 / 3.57 at batch 8 with round 10)
+      timeout "${EVAL_TIMEOUT:-300}" python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 \
+        --max-new-tokens 256 --batch-sizes "${BATCHES:-1,8}" --skip-hf --out "$OUT/e2e_hybrid" \
+        --drafters null,suffix,dflash,hybrid,hybrid+dflash 2>&1 | grep "^|\|^- " ;;
     hostprofile)  # where a learned drafter's propose spends its host time: cProfile over 8 prompts at batch 1
       timeout "${EVAL_TIMEOUT:-300}" python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-131 \
         --max-new-tokens 256 --batch-sizes 1 --skip-hf --cprofile 8 --out "$OUT/e2e_hostprofile" \
