@@ -241,7 +241,7 @@ class _NeverDrafts(DraftGate):
         return True
 
     def record(self, batch: int, length: int, accepted, seconds: float, ahead: bool = False) -> None:
-        if self.history is not None:  # '--gate-history': the plain regime's own steps, for comparison
+        if self.history is not None and seconds > 0:  # '--gate-history': the plain regime's own steps
             self.history.append(GateStep(batch, 0, bool(ahead), seconds, 0, 0))
 
 
@@ -256,7 +256,7 @@ def gate_history_lines(name: str, hist: dict) -> list[str]:
         g = groups.setdefault((bucket_of(st[f["batch"]]), kind), ([], []))
         g[at >= hist["timed_from"]].append(st)
     lines = [f"#### The gate's measured steps: {name}", "",
-             "| batch | steps | warm-up pass: steps, median ms | timed run: steps, median ms | timed run: tokens/s |",
+             "| batch | kind of step | warm-up pass: steps, median ms | timed run: steps, median ms | timed run: tokens/s |",
              "|---|---|---|---|---|"]
     for (bucket, (length, ahead)), parts in sorted(groups.items()):
         cells = []

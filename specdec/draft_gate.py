@@ -34,8 +34,9 @@ tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per 
   changes). A bucket the batch has just reached (a ``generate`` whose batch shrinks as requests
   finish) then decides from every step so far, not from its own first few.
 
-The choice reads ``A`` raised by one standard error (:data:`~DraftGate.OPTIMISM`; from the
-spread of the request-steps behind it and how many they amount to, older ones weighing less): a
+The choice reads ``A`` raised by half a standard error (:data:`~DraftGate.OPTIMISM`; an
+approximate one, from the spread of ``min(a, L)`` over the request-steps that drafted ``L`` or
+more and how many they amount to, older ones weighing less): a
 length known from few request-steps, such as a probe's four at batch 1, is tried where it could
 win, and its own steps then settle it, where a low first estimate would have kept the gate away
 from it until the next probe.
@@ -162,9 +163,11 @@ class _Acceptance:
         return total
 
     def stderr(self, i: int) -> float:
-        """The standard error of :meth:`mean` at length ``i``, from the request-steps that drafted at
-        least ``lengths[i]`` (their spread over how many they amount to, weights considered); 0
-        without two of them."""
+        """The standard error of :meth:`mean` at length ``i``, approximately: the spread of
+        ``min(a, lengths[i])`` over the request-steps that drafted at least ``lengths[i]`` and how
+        many they amount to (weights considered), where :meth:`mean` sums increments each from all
+        the steps that drafted that far (so this one errs high for a length drafted mostly in
+        probes, which only makes it tried sooner); 0 without two of them."""
         n, w2 = self.n[i], self.w2[i]
         if i == 0 or n <= 1e-9 or w2 <= 1e-12 or n * n / w2 < 2.0:
             return 0.0
@@ -280,15 +283,16 @@ class _Bucket:
 
     def plain_rate(self) -> float | None:
         """Tokens per second per request of the plain steps the gate would run. Where the engine
-        chains them (a chained one measured), a plain regime is chained steps but where the engine
-        declines a promised one (:meth:`declined`: a request's last token, requests waiting, a
-        preemption): each step costs ``d`` times an unchained one and ``1 - d`` times a chained one
-        (:meth:`DraftGate.plain_next` promises the next step plain while no draft leads at all, once
-        chained, so the first of a run is the only other). A few declines (requests ending) barely
-        move it; an engine that stops chaining soon shows the unchained cost again. Else the
-        steps that were not chained."""
+        chains them (:attr:`chaining`: a chained one measured, under half of the last promised ones
+        declined), a plain regime is chained steps but where the engine declines a promised one
+        (:meth:`declined`: a request's last token, requests waiting, a preemption): each step costs
+        ``d`` times an unchained one and ``1 - d`` times a chained one (:meth:`DraftGate.plain_next`
+        promises the next step plain while no draft leads at all, once chained, so the first of a
+        run is the only other). A few declines (requests ending) barely move it. Else (an engine
+        that declines half its promises or more; plain steps may then not be promised at all, and
+        the share would stop moving) the cost of the steps that were not chained."""
         chained, c = self.chained_cost(), self.step_cost(0)
-        if chained is not None and chained > 0:
+        if self.chaining and chained is not None and chained > 0:
             d = self.declined()
             if d and self.cost[0]:
                 chained = d * self.measured_cost(0) + (1.0 - d) * chained

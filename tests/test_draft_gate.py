@@ -228,9 +228,9 @@ def test_its_history_keeps_the_last_measured_steps_as_recorded():
     gate.record(8, 0, [0] * 8, 0.0)  # not measured: not kept either
     assert len(gate.history) == 3 and all(isinstance(s, GateStep) for s in gate.history)
     *_, last = gate.history
-    assert last == GateStep(8, 0, True, 0.004, 0, gate.draft_length(8))
+    b = gate._buckets[bucket_of(8)]
+    assert last == GateStep(8, 0, True, 0.004, 0, gate.lengths[b.best()])
     assert [s.length for s in gate.history][:2] == taken[-2:]
-    assert all(s.accepted <= s.batch * s.length for s in gate.history)
     gate.keep_history(10)  # a longer window keeps what it had
     assert len(gate.history) == 3
     gate.keep_history(0)
@@ -273,6 +273,10 @@ def test_the_standard_error_of_accepted_tokens_follows_their_spread_and_count():
     aged = _Acceptance(lengths, keep=0.5)  # older steps weigh less: fewer request-steps' worth
     for v in values:
         aged.add(4, [v])
+    w = [0.5 ** (len(values) - 1 - k) for k in range(len(values))]  # the last step weighs 1
+    mu = sum(wk * v for wk, v in zip(w, values)) / sum(w)
+    var = sum(wk * (v - mu) ** 2 for wk, v in zip(w, values)) / sum(w)
+    assert aged.stderr(4) == pytest.approx(math.sqrt(var * sum(wk * wk for wk in w)) / sum(w))
     assert aged.stderr(4) > spread.stderr(4)
     one = _Acceptance(lengths, keep=1.0)
     one.add(4, [5])
@@ -414,6 +418,18 @@ def test_a_chain_declined_at_the_end_of_a_generate_leaves_the_plain_regime_price
     assert gate.plain_next(8)
     gate.record(8, 0, env.accepted(8, 0), env.step_seconds(8, 0, False))  # promised, not chained
     assert gate.draft_length(8) == 0 and gate.plain_next(8)
+
+
+def test_an_engine_that_stops_chaining_is_not_left_with_a_half_chained_price():
+    """Where no draft leads by under the chaining margin once the engine declines half its promises,
+    no plain step is promised any more and the declined share stops moving: the plain steps are then
+    priced as what they are, unchained, and the gate goes back to drafting."""
+    for fixed in (0.135, 0.15, 0.165, 0.18, 0.195):
+        gate = DraftGate(8)
+        env = _Chaining(p=0.8, fixed=fixed, per_row=0.0005, chained=0.4)
+        _drive_chaining(gate, 2 * W + 400, env)
+        declined = _drive_chaining(gate, 600, env, chains=False)
+        assert declined[-300:].count(0) < 0.1 * 300, (fixed, declined[-300:].count(0))
 
 
 def test_a_bucket_begun_by_chained_steps_still_prices_drafts():

@@ -580,6 +580,12 @@ def test_the_merge_refuses_partials_that_do_not_fit():
         triton_mla.merge_split_partials(o[:-1], lse2, 2, 3, F32)
     with pytest.raises(ValueError, match="power of two"):
         triton_mla.merge_split_partials(torch.zeros(24, 6), lse2, 2, 3, F32)
+    with pytest.raises(ValueError, match="fp32"):
+        triton_mla.merge_split_partials(o.to(BF16), lse2, 2, 3, F32)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_mla.merge_split_partials(torch.zeros(8, 24).t(), lse2, 2, 3, F32)
+    out, lse = triton_mla.merge_split_partials(o[:0], lse2[:0], 0, 3, BF16)  # no tokens: nothing to merge
+    assert out.shape == (0, 3, 8) and out.dtype == BF16 and lse.shape == (0, 3)
 
 
 @pytest.mark.gpu

@@ -128,7 +128,8 @@ path's cost (``bench/cute_host.py`` times both paths and the pieces on a GPU):
   preparation is 8 µs, the launch 19 µs and the merge 83-89 µs, at one split as at 64.
 * The merge: by default one Triton launch (``merge="fused"``,
   :func:`~specdec.attention.backends.triton_mla.merge_split_partials`: ``triton_mla``'s own merge
-  kernel, told that a split with no key left its partial unwritten), the same merge up to fp32
+  kernel, told to ignore the partial of a split that saw no key, as ``merge_partials`` does), the
+  same merge up to fp32
   rounding. ``merge="torch"`` keeps :func:`merge_splits`: 10 tensor ops (13 with the LSE) where
   ``merge_partials`` takes 20, with the same results bit for bit (the calling-path comparisons
   use it). Not yet timed on a GPU against the 83-89 µs of the tensor ops.

@@ -281,7 +281,7 @@ def _mla_merge(
     for s in range(num_splits):  # online merge; an empty split has lse = -inf and weight 0
         lse = tl.load(LsePart + part + s, mask=head_ok, other=float("-inf"))
         o = tl.load(OPart + (part + s)[:, None] * LAT + offs_d[None, :], mask=head_ok[:, None], other=0.0)
-        if SKIP_EMPTY:  # the split saw no key: its partial was never written (w = 0 would keep a NaN)
+        if SKIP_EMPTY:  # the split saw no key: its partial is ignored (w = 0 times a NaN or inf is NaN)
             o = tl.where((lse == float("-inf"))[:, None], 0.0, o)
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -314,8 +314,8 @@ def merge_split_partials(o_part: torch.Tensor, lse2_part: torch.Tensor, num_toke
 
     Args:
         o_part: ``[num_tokens * num_heads * splits, Dv]`` fp32, row ``(t * H + h) * splits + s``:
-            split ``s``'s output normalised over its own keys; anything (never written, NaN) where
-            that split saw no key.
+            split ``s``'s output normalised over its own keys; ignored (whatever it holds, NaN
+            included) where that split saw no key.
         lse2_part: ``[num_tokens * num_heads * splits]`` fp32, base-2 log-sum-exp; ``-inf`` where
             the split saw no key.
         out_dtype: the merged output's dtype.
@@ -329,7 +329,14 @@ def merge_split_partials(o_part: torch.Tensor, lse2_part: torch.Tensor, num_toke
     """
     rows = num_tokens * num_heads
     dv = o_part.shape[-1]
-    if rows == 0 or o_part.numel() % (rows * dv) or lse2_part.numel() * dv != o_part.numel():
+    if o_part.dtype != torch.float32 or lse2_part.dtype != torch.float32:
+        raise ValueError(f"merge_split_partials: fp32 partials, got {o_part.dtype} / {lse2_part.dtype}")
+    if not (o_part.is_contiguous() and lse2_part.is_contiguous()):
+        raise ValueError("merge_split_partials: the partials must be contiguous (rows are indexed, not strided)")
+    if rows == 0:
+        out = torch.empty(num_tokens, num_heads, dv, dtype=out_dtype, device=o_part.device)
+        return out, (torch.empty(num_tokens, num_heads, device=o_part.device) if with_lse else None)
+    if o_part.numel() % (rows * dv) or lse2_part.numel() * dv != o_part.numel():
         raise ValueError(f"merge_split_partials: o_part {tuple(o_part.shape)} / lse2_part {tuple(lse2_part.shape)} "
                          f"do not hold {num_tokens} x {num_heads} rows of splits")
     if dv & (dv - 1):
