@@ -57,8 +57,8 @@ one that is not: its host work hides behind the GPU's. A plain regime is nearly 
 but the first after a drafting step, every warm-up's and probe's first, cannot be. The gate keeps
 the two apart (``record(..., ahead=True)``) and prices no draft at the chained steps' cost, mixed
 with the unchained steps' in the share of its last promised plain steps the engine declined (a
-request's last token, requests waiting, a preemption): a few declines barely move the price, an
-engine that stops chaining soon brings back the unchained one.
+request's last token, requests waiting, a preemption): a few declines barely move the price; an
+engine that declines half of them or more is priced at the unchained cost alone.
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
