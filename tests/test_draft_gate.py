@@ -676,3 +676,22 @@ def test_chained_plain_steps_on_the_gpu_hand_the_drafter_each_step_s_own_hidden_
         torch.backends.cuda.matmul.allow_tf32 = tf32
     assert engine.runner.stats["graph_steps"] > 0 and drafter.stats["graph_proposes"] > 0
     assert engine.timings["overlapped_steps"] >= 4
+
+
+def test_the_gate_simulation_bench_runs(tmp_path):
+    """``bench/gate_sim.py`` (the gate against the model above, with and without its optimism): two
+    cases of each set, its table and JSON written."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "gate_sim.py"
+    spec = importlib.util.spec_from_file_location("gate_sim", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    assert sim.main(["--cases", "2", "--steps", "150", "--seed", "3", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "gate_sim.md").read_text()
+    assert table.count("| broad (2) |") == 2 and table.count("| near (2) |") == 2
+    data = json.loads((tmp_path / "gate_sim.json").read_text())
+    assert all(len(r) == 2 and all(0 < x <= 1.5 for x in r) for r in data["ratios"].values())
+    assert DraftGate.OPTIMISM == 0.5  # the class setting is put back after each case
