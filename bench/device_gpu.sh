@@ -26,6 +26,7 @@
 #   bash bench/device_gpu.sh nullafter # null at batch 8 after a compiled drafter in the same process, with inductor's
 #                                      # compile workers and without (TORCHINDUCTOR_COMPILE_THREADS=1), then alone
 #   bash bench/device_gpu.sh cute      # cute_mla's GPU tests, then its columns beside triton_mla (wheels staged first)
+#   bash bench/device_gpu.sh cutemerge # cute_mla's fused split merge: its GPU tests, then bench/cute_host.py
 #   bash bench/device_gpu.sh helix     # bench/helix.py with cp = 1 (one GPU)
 #   bash bench/device_gpu.sh sampling  # greedy, half-sampled and all-sampled batches of 32 Spec-Bench prompts, null and
 #                                      # suffix: step time vs all-greedy, greedy rows and seeded rows equal (REPEAT:
@@ -180,6 +181,14 @@ print('cute_mla import:', e or 'ok'); sys.exit(1 if e else 0)" || exit 1
       done
       timeout 120 python bench/mla_decode.py --quick --backends torch_ref,triton_mla,cute_mla --out "$OUT/mla_cute" \
         2>&1 | tail -30 ;;
+    cutemerge)  # issue 19: cute_mla's split merge in one launch (the default) on the GPU: its tests (triton_mla's
+                # merge kernel on cute's partials; the fused path beside the bit-exact one), then the host cost a call
+      python -c "import sys; from specdec.attention.backends import cute_mla as c; e = c.IMPORT_ERROR; \
+print('cute_mla import:', e or 'ok'); sys.exit(1 if e else 0)" || exit 1
+      timeout 200 python -m pytest -m gpu tests/test_triton_mla.py tests/test_cute_mla.py -k "merge or prepared_launch" \
+        -rs -q -p no:cacheprovider -o addopts= > "$OUT/gpu_tests_cute_merge.txt" 2>&1
+      echo "== merge tests: exit $?"; tail -6 "$OUT/gpu_tests_cute_merge.txt"
+      timeout 200 python bench/cute_host.py --out "$OUT/cute_host" 2>&1 | tail -12 ;;
     helix)  # Helix attention against context, cp = 1 on one GPU (cp = 2, 4 need a machine with several GPUs)
       timeout 300 torchrun --standalone --nproc-per-node 1 bench/helix.py --device cuda --out "$OUT/helix" 2>&1 \
         | grep -E "^\||Error" ;;
