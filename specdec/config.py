@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+
+    def __new__(cls, *args, **kwargs):
+        _check_field_names(cls, args, kwargs, InvalidRequestError)  # before a bare TypeError from __init__
+        return object.__new__(cls)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -175,6 +180,10 @@ class EngineConfig:
     freeze_heap: bool = True
     draft_gate: bool = False
 
+    def __new__(cls, *args, **kwargs):
+        _check_field_names(cls, args, kwargs, ConfigError)  # before a bare TypeError from __init__
+        return object.__new__(cls)
+
     def __post_init__(self) -> None:
         if self.draft_length not in DRAFT_LENGTH_RULES:
             raise ConfigError(f"draft_length must be one of {DRAFT_LENGTH_RULES}, got {self.draft_length!r}")
@@ -303,6 +312,18 @@ class KernelConfig:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_field_names(cls, args: tuple, kwargs: dict, error: type[Exception]) -> None:
+    """Refuse, with ``error`` naming them, keyword arguments that are no field of the dataclass
+    ``cls`` and more positional arguments than it has fields."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise error(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}; its fields: {', '.join(names)}")
+    if len(args) > len(names):
+        raise error(f"{cls.__name__} takes at most {len(names)} positional arguments ({', '.join(names)}), "
+                    f"got {len(args)}")
 
 
 def _is_real(x) -> bool:

@@ -43,6 +43,11 @@ from specdec.verify import verify_chains
 _SCRATCH = object()  # owns the padding slot in the page manager; never equal to a request id
 
 
+def _check_chat(chat) -> None:
+    if chat is not None and not isinstance(chat, bool):
+        raise InvalidRequestError(f"chat must be True, False or None (the engine config's choice), got {chat!r}")
+
+
 class SpecEngine:
     """Speculative decoding engine: lossless with respect to ``target`` alone.
 
@@ -374,11 +379,13 @@ class SpecEngine:
 
         Raises:
             InvalidRequestError: a prompt that is neither (e.g. ``42``, ``None``, ``[None]``), empty,
-                or with ids outside the vocabulary; params not a ``SamplingParams``; a used ``req_id``.
+                or with ids outside the vocabulary; params not a ``SamplingParams``; a used ``req_id``;
+                ``chat`` not ``True``, ``False`` or ``None``.
             PromptTooLongError: the prompt does not fit the model's context or the pool.
             EngineClosedError: the engine was closed.
         """
         self._check_open()
+        _check_chat(chat)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -538,10 +545,13 @@ class SpecEngine:
 
         Raises:
             InvalidRequestError: ``prompts`` is not a non-empty list, a prompt is invalid (see
-                :meth:`add_request`), or bad parameters.
+                :meth:`add_request`), or bad parameters (``chat``, ``progress`` included).
             EngineClosedError: the engine was closed.
         """
         self._check_open()
+        _check_chat(chat)
+        if not isinstance(progress, bool):
+            raise InvalidRequestError(f"progress must be True or False, got {progress!r}")
         if isinstance(prompts, str):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Iterable):

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from specdec import SamplingParams, SpecEngine
+from specdec import EngineConfig, SamplingParams, SpecEngine
 from specdec.cli import main
 from specdec.errors import (CheckpointError, ConfigError, InvalidRequestError, SpecDecError, UnknownRequestError)
 from specdec.target import load_target
@@ -93,6 +93,31 @@ def test_token_id_lists_of_any_integer_type_are_prompts(tiny):
 def test_unknown_sampling_override_in_generate(tiny):
     with pytest.raises(InvalidRequestError, match="temprature.*SamplingParams"):
         SpecEngine(tiny).generate([[1]], temprature=0.5)
+
+
+def test_fields_a_config_does_not_have_are_typed_errors_naming_its_fields():
+    """OpenAI-style sampling fields specdec does not take, and extra positional values, are refused
+    by the configs themselves (not a bare TypeError from the dataclass)."""
+    for field in ("presence_penalty", "stop_token_ids", "n", "logprobs"):
+        with pytest.raises(InvalidRequestError, match=f"no field '{field}'.*max_new_tokens, temperature"):
+            SamplingParams(**{field: 1})
+    with pytest.raises(InvalidRequestError, match="at most 7 positional"):
+        SamplingParams(8, 0.0, 0, 1.0, (), False, None, 3)
+    with pytest.raises(ConfigError, match="no field 'bogus'.*max_draft_tokens"):
+        EngineConfig(bogus=1)
+    assert SamplingParams(16, 0.5).temperature == 0.5 and EngineConfig(max_num_seqs=3).max_num_seqs == 3
+
+
+@pytest.mark.parametrize("chat", ["yes", 1, 0])
+def test_chat_is_a_bool_or_none(tiny, chat):
+    engine = SpecEngine(tiny)
+    with pytest.raises(InvalidRequestError, match="chat must be True, False or None"):
+        engine.generate([[1, 2]], max_new_tokens=2, chat=chat)
+    with pytest.raises(InvalidRequestError, match="chat must be True, False or None"):
+        engine.add_request([1, 2], chat=chat)
+    with pytest.raises(InvalidRequestError, match="progress must be True or False"):
+        engine.generate([[1, 2]], max_new_tokens=2, progress="yes")
+    assert not engine.scheduler.waiting and not engine.scheduler.running  # nothing was queued
 
 
 def test_unknown_request_id(tiny):
