@@ -108,6 +108,34 @@ def test_fields_a_config_does_not_have_are_typed_errors_naming_its_fields():
     assert SamplingParams(16, 0.5).temperature == 0.5 and EngineConfig(max_num_seqs=3).max_num_seqs == 3
 
 
+def test_drafters_by_name_refuse_options_they_do_not_take():
+    from specdec.drafters import make_drafter
+
+    with pytest.raises(ConfigError, match="drafter 'suffix' has no option 'bogus'.*max_draft_tokens"):
+        make_drafter("suffix", bogus=1)
+    with pytest.raises(ConfigError, match="drafter 'null' has no option 'k'"):
+        make_drafter("null", k=3)
+    with pytest.raises(ConfigError, match="drafter must be one of"):
+        make_drafter(["suffix"])
+    assert make_drafter("suffix", max_draft_tokens=4) is not None
+
+
+def test_block_drafter_switches_are_bools():
+    from specdec.drafters.dflash import DFlashDrafter
+
+    with pytest.raises(ConfigError, match="cuda_graphs must be True or False"):
+        DFlashDrafter(cuda_graphs="x")
+    for option in ("torch_compile", "device_drafts"):
+        with pytest.raises(ConfigError, match=f"{option} must be True, False or None"):
+            DFlashDrafter(**{option: 1})
+
+
+@pytest.mark.parametrize("target", [None, 42, ["smollm2-135m"]])
+def test_a_target_that_is_no_name_or_path(target):
+    with pytest.raises(ConfigError, match="target must be a known name"):
+        load_target(target)
+
+
 @pytest.mark.parametrize("chat", ["yes", 1, 0])
 def test_chat_is_a_bool_or_none(tiny, chat):
     engine = SpecEngine(tiny)

@@ -14,6 +14,8 @@ never branches on a drafter's class or name.
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
@@ -295,11 +297,20 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     """Build a registered drafter by name.
 
     Raises:
-        ConfigError: ``name`` is not registered (the message lists the names).
+        ConfigError: ``name`` is not registered (the message lists the names), or an option is not
+            one the drafter takes (the message lists its options).
     """
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise ConfigError(f"drafter must be one of {available_drafters()}, got {name!r}")
-    return _REGISTRY[name](**kwargs)
+    cls = _REGISTRY[name]
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        options = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = sorted(set(kwargs) - set(options))
+        if unknown:
+            raise ConfigError(f"drafter {name!r} has no option {', '.join(map(repr, unknown))}; "
+                              f"its options: {', '.join(options) or 'none'}")
+    return cls(**kwargs)
 
 
 def check_hooks(drafter: object) -> None:

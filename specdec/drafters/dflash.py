@@ -144,6 +144,11 @@ class BlockDrafter(Drafter):
 
     def __init__(self, net: BlockDrafterNet | str | Path | None = None, cuda_graphs: bool = True,
                  torch_compile: bool | None = None, device_drafts: bool | None = False):
+        if not isinstance(cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+        for option, value in (("torch_compile", torch_compile), ("device_drafts", device_drafts)):
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{option} must be True, False or None, got {value!r}")
         if net is None:
             if self.default_checkpoint is None:
                 raise ConfigError(f"{type(self).__name__} needs a network or a checkpoint path (net=...)")

@@ -51,7 +51,8 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
         The target, with its tokenizer when the checkpoint has one.
 
     Raises:
-        ConfigError: ``dtype`` is not a floating torch dtype, ``device`` is not a device
+        ConfigError: ``name_or_path`` is not a string or path, ``dtype`` is not a floating torch
+            dtype, ``device`` is not a device
             this machine has (e.g. ``"cuda"`` without CUDA), or ``kernels`` is not a
             ``KernelConfig``; checked before anything is read. ``kernels`` for an MLA
             checkpoint, or kernels this machine cannot run, before the weights are read.
@@ -59,6 +60,9 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
         CheckpointError: the directory or file lacks what a checkpoint needs, or is corrupt
             (unreadable ``config.json``, truncated safetensors, a ``.gguf`` that is not GGUF).
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError(f"target must be a known name ({', '.join(sorted(KNOWN_TARGETS))}), a checkpoint "
+                          f"directory or a .gguf path, got {type(name_or_path).__name__} {name_or_path!r:.50}")
     device = check_device(device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
