@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -11,11 +12,21 @@ import torch
 from specdec.errors import ConfigError, InvalidRequestError
 
 
+def _init_signature(cls):
+    """Give ``cls`` its ``__init__``'s signature (less ``self``): a config whose ``__new__`` checks
+    the field names (:func:`_check_field_names`) would otherwise show ``(*args, **kwargs)`` to
+    ``help()`` and ``inspect``."""
+    sig = inspect.signature(cls.__init__)
+    cls.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return cls
+
+
 GREEDY_BELOW = 1e-5
 """Temperatures below this decode greedily (as vLLM's). With logits below ``3e33`` in magnitude,
 ``logits / temperature`` stays finite in fp32 at every temperature a request samples at."""
 
 
+@_init_signature
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request is decoded.
@@ -76,6 +87,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+@_init_signature
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How the engine schedules and caches.

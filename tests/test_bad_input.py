@@ -106,6 +106,11 @@ def test_fields_a_config_does_not_have_are_typed_errors_naming_its_fields():
     with pytest.raises(ConfigError, match="no field 'bogus'.*max_draft_tokens"):
         EngineConfig(bogus=1)
     assert SamplingParams(16, 0.5).temperature == 0.5 and EngineConfig(max_num_seqs=3).max_num_seqs == 3
+    import dataclasses
+    import inspect
+
+    for cls in (SamplingParams, EngineConfig):  # help() and inspect still show the fields
+        assert list(inspect.signature(cls).parameters) == [f.name for f in dataclasses.fields(cls)]
 
 
 def test_drafters_by_name_refuse_options_they_do_not_take():
