@@ -44,33 +44,23 @@ def test_lengths_are_none_powers_of_two_and_the_most(max_draft):
         draft_lengths(0)
 
 
-class _Env:
-    """A drafter and target in numbers: each drafted token is accepted with probability ``p`` given
-    the ones before it were (a request's accepted tokens are spread over the step's requests by a
-    low-discrepancy sequence: deterministic, and close to the distribution); a step costs
-    ``plain * batch + fixed + per_row * batch * L`` seconds, ``fixed`` only where it drafts (the propose)."""
+def _load_gate_sim():
+    import importlib.util
+    from pathlib import Path
 
-    def __init__(self, p: float, fixed: float, per_row: float, plain: float = 0.01):
-        self.p, self.fixed, self.per_row, self.plain = p, fixed, per_row, plain
-        self.u = 0.0
+    path = Path(__file__).resolve().parent.parent / "bench" / "gate_sim.py"
+    spec = importlib.util.spec_from_file_location("gate_sim", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def accepted(self, batch: int, length: int) -> list[int]:
-        out = []
-        for _ in range(batch):
-            self.u = (self.u + 0.6180339887) % 1.0
-            a = 0  # the inverse CDF of the accepted run: P(a >= j) = p ** j
-            while a < length and self.u < self.p ** (a + 1):
-                a += 1
-            out.append(a)
-        return out
 
-    def seconds(self, batch: int, length: int) -> float:
-        return self.plain * batch + (self.fixed + self.per_row * batch * length if length else 0.0)
-
-    def rate(self, batch: int, length: int) -> float:
-        """The true tokens per second at ``length``."""
-        mean = sum(self.p ** j for j in range(1, length + 1))
-        return batch * (1 + mean) / self.seconds(batch, length)
+GATE_SIM = _load_gate_sim()  # bench/gate_sim.py: the gate against this model, case by case
+#: A drafter and target in numbers: each drafted token is accepted with probability ``p`` given the
+#: ones before it were (spread over a step's requests by a low-discrepancy sequence: deterministic,
+#: close to the distribution); a step costs ``plain * batch + fixed + per_row * batch * L`` seconds,
+#: ``fixed`` only where it drafts (the propose). ``rate(batch, L)``: the true tokens per second.
+_Env = GATE_SIM.Model
 
 
 def _drive(gate: DraftGate, steps: int, env, batch: int = 8, spike_at: int | None = None,
@@ -681,14 +671,9 @@ def test_chained_plain_steps_on_the_gpu_hand_the_drafter_each_step_s_own_hidden_
 def test_the_gate_simulation_bench_runs(tmp_path):
     """``bench/gate_sim.py`` (the gate against the model above, with and without its optimism): two
     cases of each set, its table and JSON written."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "gate_sim.py"
-    spec = importlib.util.spec_from_file_location("gate_sim", path)
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
+    sim = GATE_SIM
     assert sim.main(["--cases", "2", "--steps", "150", "--seed", "3", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "gate_sim.md").read_text()
     assert table.count("| broad (2) |") == 2 and table.count("| near (2) |") == 2
