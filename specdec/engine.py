@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import os
 import secrets
 import time
 import warnings
@@ -43,6 +44,10 @@ from specdec.verify import verify_chains
 _SCRATCH = object()  # owns the padding slot in the page manager; never equal to a request id
 
 
+#: what the engine reads of a target before it builds anything (specdec.target.Target)
+_TARGET_API = ("vocab_size", "max_context", "eos_token_ids", "layer_specs", "attn_shape", "forward")
+
+
 def _check_chat(chat) -> None:
     if chat is not None and not isinstance(chat, bool):
         raise InvalidRequestError(f"chat must be True, False or None (the engine config's choice), got {chat!r}")
@@ -68,8 +73,9 @@ class SpecEngine:
         config: engine settings; keyword ``overrides`` replace its fields.
 
     Raises:
-        ConfigError: ``config`` is not an ``EngineConfig``, an override names no field of it, or
-            a value is invalid (the message names the field).
+        ConfigError: ``target`` is not a loaded target (a name or path: load it with
+            :func:`~specdec.target.load_target`), ``config`` is not an ``EngineConfig``, an override
+            names no field of it, or a value is invalid (the message names the field).
         MissingHookError: the drafter lacks a hook the scheduler needs.
         VocabMismatchError: the drafter's vocabulary differs from the target's.
         ConfigError / UnsupportedShapeError: a forced attention backend is unknown
@@ -80,6 +86,11 @@ class SpecEngine:
     """
 
     def __init__(self, target, drafter: Drafter | None = None, config: EngineConfig | None = None, **overrides):
+        missing = [a for a in _TARGET_API if not hasattr(target, a)]
+        if missing:
+            hint = f"; load it first: load_target({target!r})" if isinstance(target, (str, os.PathLike)) else ""
+            raise ConfigError(f"target must be a loaded target (specdec.target.load_target), got "
+                              f"{type(target).__name__}, which lacks {', '.join(missing)}{hint}")
         self.target = target
         self.drafter = drafter if drafter is not None else NullDrafter()
         self.config = cfg = engine_config(config, overrides)

@@ -135,6 +135,13 @@ def test_block_drafter_switches_are_bools():
             DFlashDrafter(**{option: 1})
 
 
+@pytest.mark.parametrize("target", [None, "smollm2-135m", object()])
+def test_an_engine_needs_a_loaded_target(target):
+    with pytest.raises(ConfigError, match="target must be a loaded target.*lacks vocab_size") as err:
+        SpecEngine(target)
+    assert ("load_target('smollm2-135m')" in str(err.value)) == isinstance(target, str)
+
+
 @pytest.mark.parametrize("target", [None, 42, ["smollm2-135m"]])
 def test_a_target_that_is_no_name_or_path(target):
     with pytest.raises(ConfigError, match="target must be a known name"):
