@@ -1,5 +1,5 @@
 """The draft gate against a simulated drafter and target: how close its choices come to the best
-fixed draft length, with and without its optimism (``DraftGate.OPTIMISM``), in one run.
+fixed draft length, with and without its optimism (``DraftGate(optimism=...)``), in one run.
 
 The model (the one ``tests/test_draft_gate.py`` drives the gate with): each drafted token is
 accepted with probability ``p`` given the ones before it were; a step of ``batch`` requests at draft
@@ -61,22 +61,18 @@ class Model:
 
 def run_case(case: dict, steps: int, optimism: float) -> float:
     """Tokens/s after the first 100 steps over the best fixed length's, for one case."""
-    old = DraftGate.OPTIMISM
-    DraftGate.OPTIMISM = optimism
-    try:
-        gate, model, batch = DraftGate(case["max_draft"]), Model(case["p"], case["fixed"], case["per_row"]), case["batch"]
-        tokens = seconds = 0.0
-        for i in range(steps):
-            n = gate.draft_length(batch)
-            acc = model.accepted(batch, n)
-            s = model.seconds(batch, n)
-            gate.record(batch, n, acc, s)
-            if i >= 100:
-                tokens += batch + sum(acc)
-                seconds += s
-        return tokens / seconds / max(model.rate(batch, n) for n in gate.lengths)
-    finally:
-        DraftGate.OPTIMISM = old
+    gate = DraftGate(case["max_draft"], optimism=optimism)
+    model, batch = Model(case["p"], case["fixed"], case["per_row"]), case["batch"]
+    tokens = seconds = 0.0
+    for i in range(steps):
+        n = gate.draft_length(batch)
+        acc = model.accepted(batch, n)
+        s = model.seconds(batch, n)
+        gate.record(batch, n, acc, s)
+        if i >= 100:
+            tokens += batch + sum(acc)
+            seconds += s
+    return tokens / seconds / max(model.rate(batch, n) for n in gate.lengths)
 
 
 def draw(rng: random.Random, kind: str) -> dict:
@@ -99,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=300, help="cases per set")
     ap.add_argument("--steps", type=int, default=700, help="steps per case")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--optimism", default=f"0,{DraftGate.OPTIMISM}", help="OPTIMISM values compared, comma-separated")
+    ap.add_argument("--optimism", default=f"0,{DraftGate.OPTIMISM}", help="DraftGate(optimism=...) values compared, comma-separated")
     ap.add_argument("--out", default=None, help="folder for gate_sim.md / gate_sim.json")
     args = ap.parse_args(argv)
     if args.cases < 1 or args.steps <= 100:

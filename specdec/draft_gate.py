@@ -179,8 +179,9 @@ class _Acceptance:
 class _Bucket:
     """One batch-size bucket's measurements, per length (an index into the gate's lengths)."""
 
-    def __init__(self, lengths: tuple[int, ...], start: int, acceptance: _Acceptance) -> None:
+    def __init__(self, lengths: tuple[int, ...], start: int, acceptance: _Acceptance, optimism: float) -> None:
         self.lengths = lengths
+        self.optimism = optimism  # standard errors added to accepted tokens where the gate chooses
         self.cost = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # seconds per request of each step
         # plain steps launched ahead of the last (chained: their host work hides behind the GPU's);
         # cost[0] holds the plain steps that were not (the first after a drafting step, or any where
@@ -270,7 +271,7 @@ class _Bucket:
     def rate(self, i: int, optimistic: bool = True) -> float | None:
         """Tokens per second per request at length ``i``: ``(1 + A) / c``; ``None`` where either part
         is unknown. No draft (``i = 0``): :meth:`plain_rate`. ``optimistic`` (what the choices read):
-        ``A`` raised by :data:`DraftGate.OPTIMISM` standard errors, so that a length known from a
+        ``A`` raised by the gate's ``optimism`` standard errors, so that a length known from a
         few request-steps (a batch of 1 probing it) is tried until its steps say otherwise."""
         if i == 0:
             return self.plain_rate()
@@ -278,7 +279,7 @@ class _Bucket:
         if c is None or a is None or c <= 0:
             return None
         if optimistic:
-            a = min(a + DraftGate.OPTIMISM * self.acceptance.stderr(i), float(self.lengths[i]))
+            a = min(a + self.optimism * self.acceptance.stderr(i), float(self.lengths[i]))
         return (1.0 + a) / c
 
     def plain_rate(self) -> float | None:
@@ -291,12 +292,13 @@ class _Bucket:
         run is the only other). A few declines (requests ending) barely move it. Else (an engine
         that declines half its promises or more; plain steps may then not be promised at all, and
         the share would stop moving) the cost of the steps that were not chained."""
-        chained, c = self.chained_cost(), self.step_cost(0)
+        chained = self.chained_cost()
         if self.chaining and chained is not None and chained > 0:
             d = self.declined()
             if d and self.cost[0]:
                 chained = d * self.measured_cost(0) + (1.0 - d) * chained
             return 1.0 / chained
+        c = self.step_cost(0)
         return None if c is None or c <= 0 else 1.0 / c
 
     def best(self) -> int:
@@ -319,6 +321,8 @@ class DraftGate:
 
     Args:
         max_draft: the longest draft (the engine's ``max_draft_tokens``), >= 1.
+        optimism: standard errors added to a length's accepted tokens where the gate chooses
+            (default :data:`OPTIMISM`; 0: the estimate as it is).
     """
 
     #: steps per length whose mean seconds per request is its cost
@@ -344,10 +348,16 @@ class DraftGate:
     #: plain steps start to be launched ahead only where no draft leads every other length by this
     #: factor; once they chain, while it leads at all (:meth:`plain_next`)
     CHAIN_MARGIN = 1.02
-    #: standard errors added to a length's accepted tokens where the gate chooses (:meth:`_Bucket.rate`)
+    #: standard errors added to a length's accepted tokens where the gate chooses (:meth:`_Bucket.rate`):
+    #: the default of ``optimism``
     OPTIMISM = 0.5
 
-    def __init__(self, max_draft: int) -> None:
+    def __init__(self, max_draft: int, optimism: float | None = None) -> None:
+        if optimism is None:
+            optimism = self.OPTIMISM
+        if isinstance(optimism, bool) or not isinstance(optimism, (int, float)) or not 0 <= optimism < math.inf:
+            raise ValueError(f"optimism must be a finite number >= 0 (standard errors), got {optimism!r}")
+        self.optimism = float(optimism)
         self.lengths = draft_lengths(max_draft)
         self._buckets: dict[int, _Bucket] = {}
         self._acceptance = _Acceptance(self.lengths, 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE))
@@ -369,7 +379,7 @@ class DraftGate:
             measured = [k for k, m in self._buckets.items() if any(m.steps)]
             near = min(measured, key=lambda k: (abs(k - key), k), default=None)
             start = self._buckets[near].best() if near is not None else len(self.lengths) - 1
-            b = self._buckets[key] = _Bucket(self.lengths, start, self._acceptance)
+            b = self._buckets[key] = _Bucket(self.lengths, start, self._acceptance, self.optimism)
         return b
 
     def _next(self, b: _Bucket) -> int:

@@ -571,11 +571,7 @@ class SpecEngine:
         prompts = list(prompts)
         if not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of strings or token-id lists, got []")
-        if param_overrides:
-            unknown = sorted(set(param_overrides) - set(SamplingParams.__slots__))
-            if unknown:
-                raise InvalidRequestError(f"unknown sampling option(s) {unknown}: options are the fields of "
-                                          f"SamplingParams, {sorted(SamplingParams.__slots__)}")
+        if param_overrides:  # SamplingParams refuses a field it does not have, naming its fields
             base = params if isinstance(params, SamplingParams) else SamplingParams()
             params = SamplingParams(**{**{f: getattr(base, f) for f in base.__slots__}, **param_overrides})
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)

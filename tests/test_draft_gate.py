@@ -273,6 +273,13 @@ def test_the_standard_error_of_accepted_tokens_follows_their_spread_and_count():
     assert one.stderr(4) == 0.0  # a single request-step: no spread to read
 
 
+def test_optimism_is_a_finite_number_at_least_zero():
+    assert DraftGate(4).optimism == DraftGate.OPTIMISM and DraftGate(4, optimism=0).optimism == 0.0
+    for bad in (-0.5, math.inf, math.nan, "1", True):
+        with pytest.raises(ValueError, match="optimism must be"):
+            DraftGate(4, optimism=bad)
+
+
 def test_steps_without_a_measurement_are_ignored():
     gate = DraftGate(8)
     gate.record(4, 8, [1, 2], 0.0)
@@ -679,4 +686,4 @@ def test_the_gate_simulation_bench_runs(tmp_path):
     assert table.count("| broad (2) |") == 2 and table.count("| near (2) |") == 2
     data = json.loads((tmp_path / "gate_sim.json").read_text())
     assert all(len(r) == 2 and all(0 < x <= 1.5 for x in r) for r in data["ratios"].values())
-    assert DraftGate.OPTIMISM == 0.5  # the class setting is put back after each case
+    assert DraftGate.OPTIMISM == 0.5  # each case builds its gate with its own optimism; the default stays
