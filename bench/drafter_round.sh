@@ -35,6 +35,8 @@
 #   bash bench/drafter_round.sh hybrid  # e2e at batch 1 and 8 (BATCHES): null, suffix, DFlash and both hybrids
 #   bash bench/drafter_round.sh depth   # a deeper DFlash (GROW=N train first, same machine) beside the shipped one:
 #                                       # propose ms at batch 1, 8, 32 and e2e at batch 1 and 32
+#   bash bench/drafter_round.sh ring    # the staging ring: its GPU tests, e2e at batch 1 and 32 (null, DFlash, + gate),
+#                                       # then at 32 the plain regime (DFlash + gate + plain) and drafts left on the device
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
 # Knobs: MAGPIE, CODE, GROUNDED, MATH, DOCS, HEVAL (prompts of each source; DOC_SOURCES: earlier builds whose
@@ -169,6 +171,18 @@ for part in "$@"; do
         --problems 0-5,10-15,20-25,30-35,40-45,50-55,60-65,70-75,80-85,160-165,240-245,320-325,400-405 \
         --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate --skip-hf \
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
+    ring)  # the staging ring (a request's context positions wait for the propose that needs them): the GPU tests
+           # of staged writes, e2e at batch 1 and 32 (null, DFlash, DFlash + gate), then at 32 null beside the plain
+           # regime (DFlash + gate + plain) and DFlash with its drafts left on the device
+      timeout 150 python -m pytest tests/test_block_propose.py -m gpu -k "staged or stale" -p no:cacheprovider -rA \
+        -o addopts= 2>&1 | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -20 \
+        | tee "$OUT/gpu_tests_ring.txt"
+      timeout 260 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 1,32 --drafters null,dflash,dflash+gate --skip-hf --gate-history --out "$OUT/e2e_ring" \
+        2>&1 | grep "^|\|launched ahead"
+      timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
+        --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+devdrafts --skip-hf --gate-history \
+        --out "$OUT/e2e_ring_plain" 2>&1 | grep "^|\|launched ahead" ;;
     gputests)  # GPU tests of the drafters, sampling and triton_mla's Helix path: one line per test in the file
       timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_draft_gate.py tests/test_sampling_kernel.py \
         tests/test_sampling_batched.py tests/test_sampling_cutoffs.py tests/test_triton_mla.py -m gpu \

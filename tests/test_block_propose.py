@@ -428,25 +428,30 @@ def _bound_pair(kind: str, tpb: int, pad: bool, device="cpu", dtype=torch.float3
     return out
 
 
-@settings(max_examples=12, deadline=None)
-@given(seed=hst.integers(0, 10**6), kind=hst.sampled_from(KINDS), tpb=hst.sampled_from([4, 16]), pad=hst.booleans())
-def test_staged_context_writes_equal_immediate_writes(seed, kind, tpb, pad):
+@settings(max_examples=16, deadline=None)
+@given(seed=hst.integers(0, 10**6), kind=hst.sampled_from(KINDS), tpb=hst.sampled_from([4, 16]), pad=hst.booleans(),
+       ring=hst.sampled_from([None, 7, 16, 40]))
+def test_staged_context_writes_equal_immediate_writes(seed, kind, tpb, pad, ring):
     """Any interleaving of prompts, accepted spans, proposes of any subset, requests that are not
-    proposed for (their positions stay staged over several steps, until they outgrow what a propose
-    writes or their staging section comes round again) and stopped requests: the drafts,
-    confidences and, in the end, every context position's K/V equal those of immediate writes."""
-    staged_vs_immediate(seed, kind, tpb, pad)
+    proposed for (their positions stay staged over several steps, outgrowing what a propose writes,
+    until a propose for them or the staging ring coming round writes them; a small ring comes round
+    often, or is smaller than a step's spans) and stopped requests: the drafts, confidences and, in
+    the end, every context position's K/V equal those of immediate writes."""
+    staged_vs_immediate(seed, kind, tpb, pad, ring=ring)
 
 
-def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str = "cpu", compiled: bool = False):
+def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str = "cpu", compiled: bool = False,
+                        ring: int | None = None):
     """A random run of both drafters of :func:`_bound_pair` side by side (the staged one through
-    ``torch.compile`` if ``compiled``); returns them."""
+    ``torch.compile`` if ``compiled``, its staging ring cut to ``ring`` rows if given); returns them."""
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     staged, plain = _bound_pair(kind, tpb, pad, device)
     staged.torch_compile = compiled
+    if ring is not None:
+        staged._ctx_stage = staged._ctx_stage[:ring]
     width = len(staged.target_layer_ids) * HIDDEN
     live, next_id = [], 0
-    for _ in range(14):  # more steps than STAGE_STEPS: staging sections are reused
+    for _ in range(14):
         if len(live) < 4 and rng.random() < 0.5:  # a new request and its prompt, maybe short enough to stage
             r, n = f"r{next_id}", rng.choice([1, 3, 6, 7, 25])
             next_id += 1
@@ -495,39 +500,48 @@ def staged_vs_immediate(seed: int, kind: str, tpb: int, pad: bool, device: str =
 
 
 @pytest.mark.parametrize("per_step", [1, 2, 3])
-def test_staged_positions_survive_steps_without_a_propose(monkeypatch, per_step):
-    """A request left out of proposes keeps its positions staged (no eager write) until they would
-    outgrow what one propose writes (block_size + 1) or their section of the staging buffer comes
-    round again (STAGE_STEPS steps); then only that request's positions are written at once."""
-    from specdec.drafters import dflash
-
+def test_staged_positions_wait_for_the_propose_that_needs_them(monkeypatch, per_step):
+    """A request left out of proposes keeps its positions staged, however many (no eager write: a
+    draft gate's plain steps cost the drafter one copy a step); the next propose for it writes those
+    past what its graph writes (block_size + 1) at once, that request's alone; when the staging ring
+    comes round, every staged position is written at once."""
     staged, _ = _bound_pair("dspark", 4, pad=False)
     writes = []
     real_write = staged._write
-    monkeypatch.setattr(staged, "_write", lambda hidden, runs: (writes.append(sum(len(r[1]) for r in runs)),
+    monkeypatch.setattr(staged, "_write", lambda hidden, runs: (writes.append(sorted(p for r in runs for p in r[1])),
                                                               real_write(hidden, runs)))
     width = len(staged.target_layer_ids) * HIDDEN
     g = torch.Generator().manual_seed(0)
     for r in ("a", "b"):
         staged.start_request(r, [1] * 21)
         staged.on_contexts([(r, 0, 0, 20)], torch.randn(20, width, generator=g))  # a prompt: written now
-    assert writes == [20, 20]
+    assert writes == [list(range(20))] * 2
     writes.clear()
     D = staged._defer
-    flushed_at = []
-    for step in range(12):
-        staged.propose(["a"], 3)  # "b" is never proposed for
+
+    def step():
         spans = [("a", staged._ctx_len["a"], 0, per_step), ("b", staged._ctx_len["b"], per_step, per_step)]
         for r, *_ in spans:
             staged.on_accepted(r, [2] * per_step)
-        before = len(writes)
         staged.on_contexts(spans, torch.randn(2 * per_step, width, generator=g))
-        if len(writes) > before:
-            flushed_at.append(step)
-            assert writes[-1] <= D  # "b" alone, never "a" (its positions went with its propose)
-        assert len(staged._pending["b"][0]) <= D and len(staged._pending["a"][0]) == per_step
-    every = min(dflash.STAGE_STEPS, D // per_step)  # steps a staged position can wait
-    assert flushed_at == list(range(every, 12, every)), (flushed_at, D)
+
+    for _ in range(12):
+        staged.propose(["a"], 3)  # "b" is not proposed for
+        step()
+        assert len(staged._pending["a"][0]) == per_step  # a's positions go with its proposes
+    assert writes == [] and staged._pending["b"][1] == list(range(20, 20 + 12 * per_step))
+    staged.propose(["a", "b"], 3)  # b's positions outgrow the propose's writes: b's, at once
+    assert writes == [list(range(20, 20 + 12 * per_step))] and not staged._pending
+    writes.clear()
+    ring = 5 * 2 * per_step  # five steps of both requests
+    staged._ctx_stage, staged._stage_top = staged._ctx_stage[:ring], 0
+    for i in range(7):
+        step()  # nothing proposed: the ring comes round after five steps
+        if i < 5:
+            assert writes == []
+    start = 20 + 12 * per_step
+    assert writes == [sorted([*range(start, start + 5 * per_step)] * 2)]
+    assert staged._pending["a"][1] == staged._pending["b"][1] == list(range(start + 5 * per_step, start + 7 * per_step))
 
 
 def test_staged_writes_of_a_request_whose_pages_were_freed_are_dropped():
@@ -570,8 +584,9 @@ def test_staged_writes_of_a_request_whose_pages_were_freed_are_dropped():
 
 
 def test_several_spans_of_one_request_in_one_step_and_a_failed_propose_lose_nothing(monkeypatch):
-    """Two spans of one request in one on_contexts call (more than a propose writes, together) are
-    written at once; a propose that raises keeps its staged writes for the next one."""
+    """Two spans of one request in one on_contexts call (more than a propose writes, together) stay
+    staged, and the next propose writes them at once; a propose that raises keeps its staged
+    writes (those its graph writes) for the next one."""
     staged, plain = _bound_pair("dspark", 4, pad=False)
     width = len(staged.target_layer_ids) * HIDDEN
     g = torch.Generator().manual_seed(1)
@@ -585,7 +600,9 @@ def test_several_spans_of_one_request_in_one_step_and_a_failed_propose_lose_noth
     for d in (staged, plain):
         d.on_accepted("a", [2] * (2 * D))
         d.on_contexts([("a", 20, 0, D), ("a", 20 + D, D, D)], hidden)
-    assert "a" not in staged._pending  # 2 D positions: written at once
+    assert staged._pending["a"][1] == list(range(20, 20 + 2 * D))  # both spans, staged
+    assert staged.propose(["a"], 3)[0].token_ids == plain.propose(["a"], 3)[0].token_ids  # written at once first
+    assert "a" not in staged._pending
     hidden = torch.randn(3, width, generator=g)
     for d in (staged, plain):
         d.on_accepted("a", [3] * 3)

@@ -21,13 +21,16 @@ nothing is padded and no graph is used.
 
 Context writes ride in the next propose that drafts for the request:
 :meth:`BlockDrafter.on_contexts` copies a generation step's hidden states (at most
-``block_size + 1`` accepted positions per request) into a staging buffer, and the
+``block_size + 1`` accepted positions per request) into a staging ring, and the
 propose projects them and writes their K/V inside its graph, before the block reads
 them; padding rows write to the KV's scratch slot. A request left out of proposes
-(the hybrid drafter does that when the suffix draft is better) keeps its positions
-staged over up to :data:`STAGE_STEPS` steps, as long as they fit the ``block_size + 1``
-positions a propose writes per request; past that they are written at once. Prompts
-(longer spans) are written at once. Without a scratch slot every write is immediate.
+(the hybrid drafter does that when the suffix draft is better; a draft gate stops
+proposing altogether where plain steps pay more) keeps its positions staged, however
+many: the propose that next drafts for it writes them at once first if they outgrow the
+``block_size + 1`` its graph writes, and when the ring comes round every staged position
+is written at once (one write every :data:`STAGE_STEPS` steps of the largest padded batch
+at a full block, far more steps of one accepted token each). Prompts (longer spans) are
+written at once. Without a scratch slot every write is immediate.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import contextlib
 import time
 import types
 import warnings
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +62,8 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "checkpoints"
 CTX_BUCKET = 256
 #: Most requests a padded propose (and a captured graph) holds; more run unpadded, eagerly.
 MAX_PADDED_REQUESTS = 256
-#: Steps of staged context writes the staging buffer holds (one section per step, reused in turn):
-#: positions a request staged this many steps ago and no propose has written are written at once.
+#: The staging ring's size, in steps of :data:`MAX_PADDED_REQUESTS` requests accepting
+#: ``block_size + 1`` positions each: when it comes round, every position still staged is written at once.
 STAGE_STEPS = 4
 
 
@@ -186,13 +190,12 @@ class BlockDrafter(Drafter):
         self._rope: RopeTable | None = None
         self._iota: torch.Tensor | None = None
         self._mempool = None
-        #: context positions written inside the next propose: req_id -> (start, stage row, slots)
-        # per request, its staged positions: (staging rows, positions, cache slots), at most _defer each,
-        # and the KV allocation the slots belong to (KVCacheManager.allocation)
+        # per request, its staged positions: (staging rows, positions, cache slots) and the KV
+        # allocation the slots belong to (KVCacheManager.allocation)
         self._pending: dict[str, tuple[list[int], list[int], list[int], int]] = {}
-        self._ctx_stage: torch.Tensor | None = None  # [STAGE_STEPS * section, features] hidden states of pending writes
-        self._section = 0  # the staging section the last step's positions went to
-        self._defer = 0  # pending positions per request a propose writes (0: every write immediate)
+        self._ctx_stage: torch.Tensor | None = None  # [ring rows, features] hidden states of pending writes
+        self._stage_top = 0  # the ring's next free row
+        self._defer = 0  # pending positions per request a propose writes inside its graph (0: every write immediate)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cuda_graphs: bool = True,
@@ -271,7 +274,7 @@ class BlockDrafter(Drafter):
         self._compiled = None  # its first run reads the new target's embedding / LM head products afresh
         self._pending.clear()
         self._out_buffers, self._timing, self._device_s = [None, None], None, None
-        self._defer, self._ctx_stage, self._section = 0, None, 0
+        self._defer, self._ctx_stage, self._stage_top = 0, None, 0
         if getattr(kv, "scratch_slot", None) is not None:
             self._defer = c.block_size + 1  # a verify step accepts at most draft width + 1 positions
             feats = len(c.target_layer_ids) * c.target_hidden_size
@@ -300,49 +303,42 @@ class BlockDrafter(Drafter):
         """Take every request's new context positions of the step, whatever the batch.
 
         Short spans (a generation step's accepted positions) are staged: their hidden states are
-        copied in one go into the next section of the staging buffer, and the next :meth:`propose`
-        for the request writes their K/V inside its graph. Longer spans (prompts) are written now,
-        and so are the staged positions of a request that would hold more than a propose writes
-        (``block_size + 1``) or that sit in the section about to be reused (staged
-        :data:`STAGE_STEPS` steps ago): one gather, one projection of every layer's K and V
+        copied in one go into the staging ring's next rows, and the next :meth:`propose` for the
+        request writes their K/V inside its graph (at once first, if they outgrow what a propose
+        writes: ``block_size + 1``). Longer spans (prompts) are written now, and so is every staged
+        position when the ring comes round: one gather, one projection of every layer's K and V
         (:meth:`BlockDrafterNet.context_kv_all`), one write per layer and cache.
         """
+        tokens, ctx_len, kv, D = self._tokens, self._ctx_len, self.kv, self._defer
         now, later = [], []
         for span in spans:
             req_id, start, _, n = span
-            if req_id not in self._tokens:
+            if req_id not in tokens:
                 raise InvalidRequestError(f"unknown request {req_id!r}")
-            self.kv.reserve(req_id, start + n)
-            self._ctx_len[req_id] = start + n
+            kv.reserve(req_id, start + n)
+            ctx_len[req_id] = start + n
             if n:
-                (later if n <= self._defer else now).append(span)
-        size = MAX_PADDED_REQUESTS * self._defer
-        incoming = Counter()
-        for r, _, _, n in later:
-            incoming[r] += n
-        for r in incoming:  # before new positions join a request's staged ones: no stale ones among them
-            self._drop_stale(r)
-        if any(n > self._defer for n in incoming.values()):  # several spans of one request outgrow a propose
-            now += [sp for sp in later if incoming[sp[0]] > self._defer]
-            later = [sp for sp in later if incoming[sp[0]] <= self._defer]
+                (later if n <= D else now).append(span)
         if later:
             lo, hi = min(s[2] for s in later), max(s[2] + s[3] for s in later)
-            if hi - lo > size:
+            ring = self._ctx_stage.shape[0]
+            if hi - lo > ring:
                 now, later = now + later, []
+            elif self._stage_top + hi - lo > ring:  # round again: whatever is staged is written first
+                self._flush()
+                self._stage_top = 0
         if later:
-            section = (self._section + 1) % STAGE_STEPS
-            base = section * size
-            full = {r for r in incoming if r in self._pending and len(self._pending[r][0]) + incoming[r] > self._defer}
-            # a request's staged rows run from its oldest section on: only the first can sit in this one
-            reused = {r for r, (rows, *_) in self._pending.items() if rows[0] // size == section}
-            self._flush(full | reused)  # before the section is overwritten
-            self._ctx_stage[base:base + hi - lo].copy_(hidden[lo:hi])
-            self._section = section
+            top, pending, manager = self._stage_top, self._pending, kv.manager
+            self._ctx_stage[top:top + hi - lo].copy_(hidden[lo:hi])
+            self._stage_top = top + hi - lo
+            base = top - lo
             for r, start, row, n in later:  # slots fixed now: a write lands where the pages were when staged
-                rows, pos, slots, _ = self._pending.setdefault(r, ([], [], [], self.kv.manager.allocation(r)))
-                rows += range(base + row - lo, base + row - lo + n)
-                pos += range(start, start + n)
-                slots += self.kv.slots(r, start, start + n)
+                run, alloc = pending.get(r), manager.allocation(r)
+                if run is None or run[3] != alloc:  # none yet, or stale (see _drop_stale)
+                    run = pending[r] = ([], [], [], alloc)
+                run[0].extend(range(base + row, base + row + n))
+                run[1].extend(range(start, start + n))
+                run[2].extend(kv.slots(r, start, start + n))
         if now:
             self._write(hidden, [(range(row, row + n), range(start, start + n), self.kv.slots(r, start, start + n))
                                  for r, start, row, n in now])
@@ -425,6 +421,11 @@ class BlockDrafter(Drafter):
             self._timing = self._device_s = None
         if cols + self.config.block_size > self._rope.length:
             self._make_tables(cols + self.config.block_size)
+        if D := self._defer:  # staged positions past what the propose writes (left out of proposes): now
+            pending = self._pending
+            over = [r for r in req_ids if r in pending and len(pending[r][0]) > D]
+            if over:
+                self._flush(over)
         rows = n
         if self.pad_shapes and n <= MAX_PADDED_REQUESTS:  # shapes recur: plans and graphs are reused
             rows, cols = next_pow2(n), -(-cols // CTX_BUCKET) * CTX_BUCKET
@@ -538,22 +539,40 @@ class BlockDrafter(Drafter):
         Returns:
             ``[rows, 2 * B + 1 + 3 * D + pages]`` on the host.
         """
-        c, tpb, D = self.config, self.kv.tokens_per_block, self._defer
+        c, tpb, D, scratch = self.config, self.kv.tokens_per_block, self._defer, self.kv.scratch_slot
         B, P = c.block_size, -(-cols // tpb)
         masks = [c.mask_token_id] * (B - 1)
-        no_write = [0] * (2 * D) + [self.kv.scratch_slot] * D if D else []
-        out = []
+        no_write = [0] * (2 * D) + [scratch] * D if D else []
+        zeros = [0] * P
+        out = array("q")  # one flat buffer, viewed as the tensor: no list of lists for torch to walk
+        tokens, pending = self._tokens, self._pending
         for r, n in zip(req_ids, ctx_lens):
             pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
-            write = no_write
             self._drop_stale(r)  # stale positions are never written
-            if r in self._pending:  # taken off by propose once the draft has run
-                stage_rows, pos, where, _ = self._pending[r]
-                pad = D - len(where)
-                write = [*stage_rows, *[0] * pad, *pos, *[0] * pad, *where, *[self.kv.scratch_slot] * pad]
-            out.append([self._tokens[r][-1], *masks, *range(n, n + B), n, *write, *pages, *[0] * (P - len(pages))])
-        out += [[c.mask_token_id, *masks, *range(B), 0, *no_write, *[0] * P]] * (rows - len(out))
-        return torch.tensor(out, dtype=torch.long)
+            run = pending.get(r)  # taken off by propose once the draft has run
+            out.append(tokens[r][-1])
+            out.extend(masks)
+            out.extend(range(n, n + B))
+            out.append(n)
+            if run is None:
+                out.extend(no_write)
+            else:
+                stage_rows, pos, where, _ = run
+                gap = [0] * (D - len(where))
+                out.extend(stage_rows)
+                out.extend(gap)
+                out.extend(pos)
+                out.extend(gap)
+                out.extend(where)
+                out.extend([scratch] * len(gap))
+            out.extend(pages)
+            out.extend(zeros[len(pages):])
+        width = 2 * B + 1 + 3 * D + P
+        if rows > len(req_ids):
+            out.extend(array("q", [c.mask_token_id, *masks, *range(B), 0, *no_write, *zeros]) * (rows - len(req_ids)))
+        if not out:
+            return torch.empty(rows, width, dtype=torch.long)
+        return torch.frombuffer(out, dtype=torch.long).view(rows, width)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """One asynchronous copy, on CUDA from a pinned staging buffer kept between calls (pinning

@@ -17,8 +17,8 @@ The learned propose costs about as much as a target step on a small target, so i
 for requests whose suffix draft it could beat: where the suffix draft's expected accepted tokens
 are below the most any learned draft has scored so far (repetitive text, where the suffix draft is
 long and sure, never pays for it). A request left out keeps its context positions staged for the
-learned drafter's next propose (up to ``STAGE_STEPS`` steps, :mod:`specdec.drafters.dflash`), so
-leaving it out costs no extra write.
+learned drafter's next propose (:mod:`specdec.drafters.dflash`), so leaving it out costs no
+extra write until the positions outgrow what that propose writes in its graph.
 
 Lossless whatever it picks: the target verifies every draft. The KV and hidden-state hooks are
 the learned drafter's (the suffix drafter has no KV layers and reads only token ids).
