@@ -35,8 +35,8 @@
 #   bash bench/drafter_round.sh hybrid  # e2e at batch 1 and 8 (BATCHES): null, suffix, DFlash and both hybrids
 #   bash bench/drafter_round.sh depth   # a deeper DFlash (GROW=N train first, same machine) beside the shipped one:
 #                                       # propose ms at batch 1, 8, 32 and e2e at batch 1 and 32
-#   bash bench/drafter_round.sh ring    # the staging ring: its GPU tests, e2e at batch 1 and 32 (null, DFlash, + gate),
-#                                       # then at 32 the plain regime (DFlash + gate + plain) and drafts left on the device
+#   bash bench/drafter_round.sh ring    # the staging ring: its GPU tests, e2e at batch 32 (null, DFlash, + gate, the plain
+#                                       # regime) here and in a baseline tree (BASE, carried), then batch 1 here
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
 # Knobs: MAGPIE, CODE, GROUNDED, MATH, DOCS, HEVAL (prompts of each source; DOC_SOURCES: earlier builds whose
@@ -172,17 +172,21 @@ for part in "$@"; do
         --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate --skip-hf \
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
     ring)  # the staging ring (a request's context positions wait for the propose that needs them): the GPU tests
-           # of staged writes, e2e at batch 1 and 32 (null, DFlash, DFlash + gate), then at 32 null beside the plain
-           # regime (DFlash + gate + plain) and DFlash with its drafts left on the device
-      timeout 150 python -m pytest tests/test_block_propose.py -m gpu -k "staged or stale" -p no:cacheprovider -rA \
+           # of staged writes; e2e at batch 32 (null, DFlash, + gate, the plain regime: + gate + plain) in this tree
+           # and in BASE's (default .baseline, made here and carried: git archive 601e80b specdec bench | tar -x
+           # -C .baseline --exclude='specdec/drafters/checkpoints*' --exclude='bench/results*'), then batch 1 here
+      base=${BASE:-.baseline}
+      timeout 120 python -m pytest tests/test_block_propose.py -m gpu -k "staged or stale" -p no:cacheprovider -rA \
         -o addopts= 2>&1 | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -20 \
         | tee "$OUT/gpu_tests_ring.txt"
-      timeout 260 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,32 --drafters null,dflash,dflash+gate --skip-hf --gate-history --out "$OUT/e2e_ring" \
-        2>&1 | grep "^|\|launched ahead"
-      timeout 200 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+devdrafts --skip-hf --gate-history \
-        --out "$OUT/e2e_ring_plain" 2>&1 | grep "^|\|launched ahead" ;;
+      e2e="bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 --skip-hf"
+      timeout 200 python $e2e --batch-sizes 32 --drafters null,dflash+gate+plain,dflash,dflash+gate --gate-history \
+        --out "$OUT/e2e_ring_b32" 2>&1 | grep "^| specdec\|launched ahead"
+      mkdir -p "$base/specdec/drafters/checkpoints"
+      ln -sfn "$PWD/specdec/drafters/checkpoints/smollm2-135m-dflash" "$base/specdec/drafters/checkpoints/"
+      (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 150 python $e2e --batch-sizes 32 \
+        --drafters null,dflash+gate+plain,dflash --out "$OUT/e2e_ring_base_b32" 2>&1 | grep "^| specdec\|launched ahead")
+      timeout 100 python $e2e --batch-sizes 1 --drafters null,dflash --out "$OUT/e2e_ring_b1" 2>&1 | grep "^| specdec" ;;
     gputests)  # GPU tests of the drafters, sampling and triton_mla's Helix path: one line per test in the file
       timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_draft_gate.py tests/test_sampling_kernel.py \
         tests/test_sampling_batched.py tests/test_sampling_cutoffs.py tests/test_triton_mla.py -m gpu \

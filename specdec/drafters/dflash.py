@@ -544,35 +544,25 @@ class BlockDrafter(Drafter):
         masks = [c.mask_token_id] * (B - 1)
         no_write = [0] * (2 * D) + [scratch] * D if D else []
         zeros = [0] * P
-        out = array("q")  # one flat buffer, viewed as the tensor: no list of lists for torch to walk
+        out: list[int] = []  # one flat list, converted once: no list of lists for torch to walk
         tokens, pending = self._tokens, self._pending
         for r, n in zip(req_ids, ctx_lens):
             pages = self.kv.page_table(r)[: -(-n // tpb)] if n else []  # no context: maybe no pages either
             self._drop_stale(r)  # stale positions are never written
             run = pending.get(r)  # taken off by propose once the draft has run
-            out.append(tokens[r][-1])
-            out.extend(masks)
-            out.extend(range(n, n + B))
-            out.append(n)
             if run is None:
-                out.extend(no_write)
+                write = no_write
             else:
                 stage_rows, pos, where, _ = run
                 gap = [0] * (D - len(where))
-                out.extend(stage_rows)
-                out.extend(gap)
-                out.extend(pos)
-                out.extend(gap)
-                out.extend(where)
-                out.extend([scratch] * len(gap))
-            out.extend(pages)
-            out.extend(zeros[len(pages):])
+                write = [*stage_rows, *gap, *pos, *gap, *where, *[scratch] * len(gap)]
+            out += [tokens[r][-1], *masks, *range(n, n + B), n, *write, *pages, *zeros[len(pages):]]
         width = 2 * B + 1 + 3 * D + P
         if rows > len(req_ids):
-            out.extend(array("q", [c.mask_token_id, *masks, *range(B), 0, *no_write, *zeros]) * (rows - len(req_ids)))
+            out += [c.mask_token_id, *masks, *range(B), 0, *no_write, *zeros] * (rows - len(req_ids))
         if not out:
             return torch.empty(rows, width, dtype=torch.long)
-        return torch.frombuffer(out, dtype=torch.long).view(rows, width)
+        return torch.frombuffer(array("q", out), dtype=torch.long).view(rows, width)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """One asynchronous copy, on CUDA from a pinned staging buffer kept between calls (pinning
