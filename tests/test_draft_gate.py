@@ -584,21 +584,35 @@ def _block_cfg(shift: int) -> BlockDrafterConfig:
 
 
 @pytest.mark.parametrize("cls,shift", [(DFlashDrafter, 0), (DSparkDrafter, 1)])
-@pytest.mark.parametrize("off", [1, 7])  # 7: past the steps a propose's staged context writes can wait
+@pytest.mark.parametrize("off", [1, 7, 25])  # 7, 25: more staged positions than a propose writes in its graph
 @pytest.mark.parametrize("overlap", [False, True])  # True: the plain steps are launched ahead, chained
-def test_a_block_drafter_left_out_of_steps_keeps_every_accepted_position(tiny3, cls, shift, off, overlap):
+@pytest.mark.parametrize("stage", [False, True])  # True: context writes staged for the proposes, as on CUDA
+def test_a_block_drafter_left_out_of_steps_keeps_every_accepted_position(tiny3, cls, shift, off, overlap, stage):
     engine = _left_out_of_steps(tiny3, cls(init_weights(BlockDrafterNet(_block_cfg(shift)), seed=1)), off, overlap,
-                                one_buffer=overlap)  # as a CUDA graph's replay writes its output buffer
+                                one_buffer=overlap, stage=stage)  # as a CUDA graph's replay writes its output buffer
     chained = engine.timings["overlapped_steps"]
-    assert (chained >= 4 if overlap and off == 7 else chained == 0), chained  # off=1: no two plain steps in a row
+    assert (chained >= 4 if overlap and off >= 7 else chained == 0), chained  # off=1: no two plain steps in a row
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_block_drafter_s_staging_ring_coming_round_in_plain_steps_loses_nothing(tiny3, overlap):
+    """A staging ring of 7 rows (3 requests accepting one token a plain step): it comes round every
+    other plain step, writing whatever is staged; context K/V and outputs as before."""
+    drafter = DFlashDrafter(init_weights(BlockDrafterNet(_block_cfg(0)), seed=1))
+    writes = []
+    engine = _left_out_of_steps(tiny3, drafter, 25, overlap, one_buffer=overlap, stage=True, ring=7, writes=writes)
+    assert len(writes) >= 8 and engine.timings["overlapped_steps"] >= (4 if overlap else 0)
 
 
 def _left_out_of_steps(target, drafter, off: int, overlap: bool, one_buffer: bool = False,
-                       tokens_per_block: int | None = None):
+                       tokens_per_block: int | None = None, stage: bool = False, ring: int | None = None,
+                       writes: list | None = None):
     """Generate beside the null drafter under a gate that drafts 2 steps in every ``2 + off``; mid-way,
     the drafter's context K/V of one request must equal its projection of the target's hidden states
     recomputed, and every output must equal null's. ``one_buffer``: the runner's eager steps return
-    their hidden states in one buffer every step overwrites (:func:`_hidden_in_one_buffer`)."""
+    their hidden states in one buffer every step overwrites (:func:`_hidden_in_one_buffer`). ``stage``:
+    the block drafter stages its context writes for its proposes, as on CUDA (a scratch slot is made for
+    it); ``ring``: its staging ring cut to that many rows; ``writes``: its eager writes are listed there."""
     prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4], [7, 8, 9], list(range(10, 40))]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     kw = {} if tokens_per_block is None else {"tokens_per_block": tokens_per_block}
@@ -608,6 +622,20 @@ def _left_out_of_steps(target, drafter, off: int, overlap: bool, one_buffer: boo
     engine._gate = engine.executor.gate = gate = _Scripted(4, on=2, off=off)
     if one_buffer:
         _hidden_in_one_buffer(engine.runner)
+    if stage and not drafter._defer:  # staged context writes as on CUDA: the drafter's KV needs a scratch slot
+        kv = drafter.kv
+        if kv.shared:
+            kv.manager.allocate("scratch", 1)
+            kv.scratch_slot = kv.manager.slots("scratch", 0, 1)[0]
+        else:
+            kv.scratch_slot = kv.manager.num_pages * kv.tokens_per_block
+        drafter.bind(target, kv)
+        assert drafter._defer
+    if ring is not None:
+        drafter._ctx_stage = drafter._ctx_stage[:ring]
+    if writes is not None:
+        real_write = drafter._write
+        drafter._write = lambda hidden, runs: (writes.append(runs), real_write(hidden, runs))
     rid = engine.add_request(prompts[0], params, chat=False)
     others = [engine.add_request(p, params, chat=False) for p in prompts[1:]]
     checked = False
