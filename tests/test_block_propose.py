@@ -561,12 +561,13 @@ def test_staged_writes_of_a_request_whose_pages_were_freed_are_dropped():
     d.on_accepted("a", [2, 2, 2])
     d.on_contexts([("a", 20, 0, 3)], torch.randn(3, width, generator=g))  # staged
     assert len(d._pending["a"][0]) == 3
+    staged_slots = manager.slots("a", 20, 23)
     manager.free("a")  # preempted: its pages go back to the pool
     manager.allocate("b", 23)  # and another request takes them
     d.start_request("b", [5] * 24)
     d.on_contexts([("b", 0, 0, 23)], torch.randn(23, width, generator=g))
     slots_b = manager.slots("b", 0, 23)
-    assert set(slots_b) & set(d._pending["a"][2])  # the freed slots are b's now
+    assert set(slots_b) & set(staged_slots)  # the freed slots are b's now
     k_b = d.kv.k(0)[slots_b].clone()
     manager.allocate("a", 23)  # readmitted: its context is computed again
     d.on_contexts([("a", 0, 0, 23)], torch.randn(23, width, generator=g))

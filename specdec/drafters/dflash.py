@@ -190,9 +190,9 @@ class BlockDrafter(Drafter):
         self._rope: RopeTable | None = None
         self._iota: torch.Tensor | None = None
         self._mempool = None
-        # per request, its staged positions: (staging rows, positions, cache slots) and the KV
-        # allocation the slots belong to (KVCacheManager.allocation)
-        self._pending: dict[str, tuple[list[int], list[int], list[int], int]] = {}
+        # per request, its staged positions: (staging rows, positions) and the KV allocation they were
+        # staged in (KVCacheManager.allocation; their cache slots are looked up when they are written)
+        self._pending: dict[str, tuple[list[int], list[int], int]] = {}
         self._ctx_stage: torch.Tensor | None = None  # [ring rows, features] hidden states of pending writes
         self._stage_top = 0  # the ring's next free row
         self._defer = 0  # pending positions per request a propose writes inside its graph (0: every write immediate)
@@ -310,12 +310,14 @@ class BlockDrafter(Drafter):
         (:meth:`BlockDrafterNet.context_kv_all`), one write per layer and cache.
         """
         tokens, ctx_len, kv, D = self._tokens, self._ctx_len, self.kv, self._defer
+        reserve = None if kv.shared else kv.reserve  # shared: the target's pages already hold the positions
         now, later = [], []
         for span in spans:
             req_id, start, _, n = span
             if req_id not in tokens:
                 raise InvalidRequestError(f"unknown request {req_id!r}")
-            kv.reserve(req_id, start + n)
+            if reserve is not None:
+                reserve(req_id, start + n)
             ctx_len[req_id] = start + n
             if n:
                 (later if n <= D else now).append(span)
@@ -332,13 +334,12 @@ class BlockDrafter(Drafter):
             self._ctx_stage[top:top + hi - lo].copy_(hidden[lo:hi])
             self._stage_top = top + hi - lo
             base = top - lo
-            for r, start, row, n in later:  # slots fixed now: a write lands where the pages were when staged
+            for r, start, row, n in later:
                 run, alloc = pending.get(r), manager.allocation(r)
-                if run is None or run[3] != alloc:  # none yet, or stale (see _drop_stale)
-                    run = pending[r] = ([], [], [], alloc)
+                if run is None or run[2] != alloc:  # none yet, or stale (see _drop_stale)
+                    run = pending[r] = ([], [], alloc)
                 run[0].extend(range(base + row, base + row + n))
                 run[1].extend(range(start, start + n))
-                run[2].extend(kv.slots(r, start, start + n))
         if now:
             self._write(hidden, [(range(row, row + n), range(start, start + n), self.kv.slots(r, start, start + n))
                                  for r, start, row, n in now])
@@ -348,10 +349,30 @@ class BlockDrafter(Drafter):
         buffer (stale ones dropped, :meth:`_drop_stale`)."""
         for r in list(self._pending) if req_ids is None else req_ids:
             self._drop_stale(r)
-        runs = [self._pending.pop(r) for r in (list(self._pending) if req_ids is None else req_ids)
-                if r in self._pending]
+        runs = []
+        for r in list(self._pending) if req_ids is None else req_ids:
+            if r in self._pending:
+                rows, pos, _ = self._pending.pop(r)
+                runs.append((rows, pos, self._staged_slots(r, pos)))
         if runs:
             self._write(self._ctx_stage, runs)
+
+    def _staged_slots(self, req_id: str, positions: list[int]) -> list[int]:
+        """The cache slots of a request's staged ``positions`` (ascending; runs of consecutive ones).
+        Staged positions are accepted ones, which rollback never truncates, so while the request's
+        allocation is the one they were staged in (:meth:`_drop_stale`) their slots are the same
+        as when they were staged."""
+        n = len(positions)
+        if n and positions[-1] - positions[0] == n - 1:  # the usual case: one run
+            return self.kv.slots(req_id, positions[0], positions[-1] + 1)
+        out, i = [], 0
+        while i < n:
+            j = i + 1
+            while j < n and positions[j] == positions[j - 1] + 1:
+                j += 1
+            out += self.kv.slots(req_id, positions[i], positions[j - 1] + 1)
+            i = j
+        return out
 
     def _drop_stale(self, req_id: str) -> None:
         """Forget the request's staged positions if their cache slots may no longer be its own: in a
@@ -361,7 +382,7 @@ class BlockDrafter(Drafter):
         an unchanged allocation (:meth:`KVCacheManager.allocation`) keeps them valid."""
         run = self._pending.get(req_id)
         manager = self.kv.manager
-        if run is not None and (req_id not in manager or manager.allocation(req_id) != run[3]):
+        if run is not None and (req_id not in manager or manager.allocation(req_id) != run[2]):
             del self._pending[req_id]
 
     def _write(self, hidden: torch.Tensor, runs) -> None:
@@ -553,7 +574,8 @@ class BlockDrafter(Drafter):
             if run is None:
                 write = no_write
             else:
-                stage_rows, pos, where, _ = run
+                stage_rows, pos, _ = run
+                where = self._staged_slots(r, pos)
                 gap = [0] * (D - len(where))
                 write = [*stage_rows, *gap, *pos, *gap, *where, *[scratch] * len(gap)]
             out += [tokens[r][-1], *masks, *range(n, n + B), n, *write, *pages, *zeros[len(pages):]]
