@@ -126,8 +126,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=300, help="steps of each regime")
     ap.add_argument("--out", default="bench/results/context_host")
     args = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
-    res = run(args.batch, args.prompt, args.steps)
+    with torch.no_grad():
+        res = run(args.batch, args.prompt, args.steps)
     rows = ["| regime | on_contexts host µs a step (median / mean) | eager writes a step | positions a write | _pack µs a propose |",
             "|---|---|---|---|---|"]
     for regime, r in res.items():

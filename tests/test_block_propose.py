@@ -863,3 +863,23 @@ def test_all_layers_context_kv_in_one_projection_equals_each_layer(qk_norm):
     with torch.no_grad():
         net.layers[1].self_attn.v_proj.weight.mul_(2)  # a changed weight is seen (the stacked copy is rebuilt)
     torch.testing.assert_close(net.context_kv_all(ctx, pos, rope)[1][1], net.context_kv(1, ctx, pos, rope)[1])
+
+
+def test_the_context_host_bench_runs_and_plain_steps_write_nothing_at_once(tmp_path):
+    """``bench/context_host.py`` on a few steps: its table and JSON are written; in the plain regime
+    (no propose) nothing is written at once, and in the drafting regime only its first propose
+    writes at once what the plain steps staged (more than its graph writes), every request's in one go."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("context_host", Path(__file__).resolve().parent.parent / "bench"
+                                                  / "context_host.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--batch", "4", "--prompt", "40", "--steps", "12", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "context_host.json").read_text())["results"]
+    assert res["plain"]["eager_writes_per_step"] == 0
+    assert res["drafting"]["eager_writes_per_step"] == 1 / 12 and res["drafting"]["positions_per_write"] == 4 * 12
+    assert res["drafting"]["pack_us"] > 0 and "| plain |" in (tmp_path / "context_host.md").read_text()
+    assert torch.is_grad_enabled()
