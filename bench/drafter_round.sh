@@ -174,7 +174,7 @@ for part in "$@"; do
     ring)  # the staging ring (a request's context positions wait for the propose that needs them): the GPU tests
            # of staged writes; e2e at batch 32 (null, DFlash, + gate, the plain regime: + gate + plain) in this tree
            # and in BASE's (default .baseline, made here and carried: git archive 601e80b specdec bench | tar -x
-           # -C .baseline --exclude='specdec/drafters/checkpoints*' --exclude='bench/results*'), then batch 1 here
+           # -C .baseline --exclude='specdec/drafters/checkpoints*' --exclude='bench/results/*'), then batch 1 here
       base=${BASE:-.baseline}
       timeout 120 python -m pytest tests/test_block_propose.py -m gpu -k "staged or stale" -p no:cacheprovider -rA \
         -o addopts= 2>&1 | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -20 \
@@ -185,7 +185,7 @@ for part in "$@"; do
       mkdir -p "$base/specdec/drafters/checkpoints"
       ln -sfn "$PWD/specdec/drafters/checkpoints/smollm2-135m-dflash" "$base/specdec/drafters/checkpoints/"
       (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 150 python $e2e --batch-sizes 32 \
-        --drafters null,dflash+gate+plain,dflash --out "$OUT/e2e_ring_base_b32" 2>&1 | grep "^| specdec\|launched ahead")
+        --drafters null,dflash+gate+plain,dflash+gate --gate-history --out "$OUT/e2e_ring_base_b32" 2>&1 | grep "^| specdec\|launched ahead")
       timeout 100 python $e2e --batch-sizes 1 --drafters null,dflash --out "$OUT/e2e_ring_b1" 2>&1 | grep "^| specdec" ;;
     gputests)  # GPU tests of the drafters, sampling and triton_mla's Helix path: one line per test in the file
       timeout 300 python -m pytest tests/test_block_propose.py tests/test_block_drafters.py tests/test_draft_gate.py tests/test_sampling_kernel.py \

@@ -625,6 +625,30 @@ def test_several_spans_of_one_request_in_one_step_and_a_failed_propose_lose_noth
                                rtol=1e-5, atol=1e-5)
 
 
+def test_staged_positions_around_a_span_written_at_once_land_in_their_own_slots():
+    """A request's staged positions with a gap (a span longer than a propose writes, written at once,
+    between two staged ones): every position's K/V equals immediate writes after the next propose."""
+    staged, plain = _bound_pair("dflash", 4, pad=False)
+    width = len(staged.target_layer_ids) * HIDDEN
+    g = torch.Generator().manual_seed(2)
+    D = staged._defer
+    for d in (staged, plain):
+        d.start_request("a", [1] * 9)
+    start = 0
+    for n in (8, 2, D + 1, 2):  # a prompt (written at once), staged, written at once, staged
+        hidden = torch.randn(n, width, generator=g)
+        for d in (staged, plain):
+            if start:
+                d.on_accepted("a", [2] * n)
+            d.on_contexts([("a", start, 0, n)], hidden)
+        start += n
+    assert staged._pending["a"][1] == [8, 9, 11 + D, 12 + D]
+    assert staged.propose(["a"], 3)[0].token_ids == plain.propose(["a"], 3)[0].token_ids
+    for i in range(staged.config.num_layers):
+        torch.testing.assert_close(staged.kv.k(i)[staged.kv.slots("a", 0, start)],
+                                   plain.kv.k(i)[plain.kv.slots("a", 0, start)], rtol=1e-5, atol=1e-5)
+
+
 @needs_cxx
 @pytest.mark.parametrize("kind", ["dflash", "dflash_folded", "dspark_heads", "mla"])
 def test_compiled_propose_drafts_as_eager(kind, monkeypatch):

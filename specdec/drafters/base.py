@@ -15,7 +15,6 @@ never branches on a drafter's class or name.
 from __future__ import annotations
 
 import inspect
-
 from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence

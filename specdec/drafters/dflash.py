@@ -358,21 +358,13 @@ class BlockDrafter(Drafter):
             self._write(self._ctx_stage, runs)
 
     def _staged_slots(self, req_id: str, positions: list[int]) -> list[int]:
-        """The cache slots of a request's staged ``positions`` (ascending; runs of consecutive ones).
+        """The cache slots of a request's staged ``positions`` (ascending).
         Staged positions are accepted ones, which rollback never truncates, so while the request's
         allocation is the one they were staged in (:meth:`_drop_stale`) their slots are the same
         as when they were staged."""
-        n = len(positions)
-        if n and positions[-1] - positions[0] == n - 1:  # the usual case: one run
+        if positions and positions[-1] - positions[0] == len(positions) - 1:  # the usual case: one run
             return self.kv.slots(req_id, positions[0], positions[-1] + 1)
-        out, i = [], 0
-        while i < n:
-            j = i + 1
-            while j < n and positions[j] == positions[j - 1] + 1:
-                j += 1
-            out += self.kv.slots(req_id, positions[i], positions[j - 1] + 1)
-            i = j
-        return out
+        return [s for p in positions for s in self.kv.slots(req_id, p, p + 1)]  # a gap (a span written at once)
 
     def _drop_stale(self, req_id: str) -> None:
         """Forget the request's staged positions if their cache slots may no longer be its own: in a
