@@ -49,12 +49,18 @@ measures, in turn, the longest draft (fresh acceptance for every length) and no 
 its estimate is within :data:`~DraftGate.NO_DRAFT_PROBE_WITHIN` of the chosen length's),
 :data:`~DraftGate.PROBE_STEPS` steps, so a change (longer contexts, text the drafter suits) is
 followed; a probe waits longer where its steps would take over :data:`~DraftGate.PROBE_SHARE` of
-the time since the last.
+the time since the last, or where the tokens they would lose (their time, times how far the probed
+length's estimate is behind the chosen one's) would come to over :data:`~DraftGate.PROBE_LOSS` of
+it: a learned drafter at batch 32, its longest draft at 40 % of plain steps' rate, is probed a third
+as often as one near the lead.
 
 Where the engine chains plain steps (an overlapped engine launches a plain step before the last
 one's tokens reach the host, on :meth:`DraftGate.plain_next`), a chained plain step costs less than
 one that is not: its host work hides behind the GPU's. A plain regime is nearly all chained steps,
-but the first after a drafting step, every warm-up's and probe's first, cannot be. The gate keeps
+but the first after a drafting step, every warm-up's and probe's first, cannot be. A probe that
+falls due on a step whose successor was already promised plain waits that one step (the promise
+holds), and the next step is not promised: one unchained plain step a probe, not a run of them
+held back in case a probe might start. The gate keeps
 the two apart (``record(..., ahead=True)``) and prices no draft at the chained steps' cost, mixed
 with the unchained steps' in the share of its last promised plain steps the engine declined (a
 request's last token, requests waiting, a preemption): a few declines barely move the price; an
@@ -193,6 +199,9 @@ class _Bucket:
         # waiting, a preemption, a request's last token). Their share prices a plain regime's steps
         self.promises = deque(maxlen=DraftGate.WINDOW)
         self.would_promise = False  # plain_next's answer during the last recorded step
+        # DraftGate.plain_next said yes since the last recorded step: that step's successor is plain
+        # whatever the record decides, so a probe falling due then waits a step
+        self.promised = False
         self.acceptance = acceptance  # shared by every bucket
         self.steps = [0] * len(lengths)
         self.chained_steps = 0  # of steps[0]: the plain steps launched ahead of the last
@@ -342,6 +351,11 @@ class DraftGate:
     #: most of the time probes take: a probe waits until its steps' estimated time is at most this
     #: share of the time since the last (a slow length is probed less often)
     PROBE_SHARE = 0.05
+    #: most of the tokens probes lose: a probe also waits until its steps' estimated time, times
+    #: ``1 - `` its length's estimated tokens/s over the chosen length's, is at most this share of the
+    #: time since the last (a length near the lead is probed every :data:`PROBE_SHARE`; one far behind
+    #: less often)
+    PROBE_LOSS = 0.01
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
     NO_DRAFT_PROBE_WITHIN = 0.75
@@ -411,8 +425,17 @@ class DraftGate:
         leading by under :data:`CHAIN_MARGIN` while plain steps do not chain yet (one more
         measured plain step moves its cost; once they chain, a lead of any size will do). A
         wrong yes costs one plain step where the gate would have drafted (outputs never change);
-        the step after it asks :meth:`draft_length` again."""
+        the step after it asks :meth:`draft_length` again.
+
+        A yes is remembered until the current step is recorded: a probe that falls due then waits
+        one step (the promised one), and this method says no on that step, so the probe starts
+        after it."""
         b = self._bucket(bucket_of(batch))
+        b.promised = self._plain_next(b, batch)
+        return b.promised
+
+    def _plain_next(self, b: _Bucket, batch: int) -> bool:
+        """:meth:`plain_next`'s answer for bucket ``b``, remembering nothing."""
         i = self._next(b)
         if i != 0:
             return False
@@ -420,8 +443,7 @@ class DraftGate:
             return b.probe_left > 1
         if b.steps[0] < self.WARMUP:  # its first measurement: plain until its last step
             return b.steps[0] + 1 < self.WARMUP
-        step_s = self.OUTLIER * b.step_cost(0) * batch  # the most this step counts for
-        if self._due_probe(b, b.run + 1, b.run_s + step_s, batch) not in (None, 0):  # a probe of drafts may start
+        if self._due_probe(b, b.run, b.run_s, batch) not in (None, 0):  # a probe of drafts waited on a promise
             return False
         plain = b.rate(0)
         others = [r for j in range(1, len(self.lengths)) if (r := b.rate(j)) is not None]
@@ -441,7 +463,8 @@ class DraftGate:
         b = self._bucket(bucket_of(batch))
         i = self.lengths.index(length)
         # what an overlapped engine heard during this step (needed only to see it decline a chain)
-        would = i == 0 and bool(b.chained) and self.plain_next(batch)
+        would = i == 0 and bool(b.chained) and self._plain_next(b, batch)
+        promised, b.promised = b.promised, False
         b.steps[i] += 1
         b.chained_steps += ahead and i == 0
         b.measured(i, seconds / len(accepted), ahead and i == 0)
@@ -461,7 +484,7 @@ class DraftGate:
             b.run += 1
             b.run_s += seconds
             want = self._due_probe(b, b.run, b.run_s, len(accepted))
-            if want is not None:
+            if want is not None and not (promised and want != i):  # a promised plain step comes first
                 b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
                 if want != i and not (want == 0 and self._far_behind(b, i)):
                     b.probing, b.probe_left = want, self.PROBE_STEPS
@@ -469,10 +492,19 @@ class DraftGate:
     def _due_probe(self, b: _Bucket, run: int, run_s: float, n: int) -> int | None:
         """The length (an index) the bucket's next probe measures, the longest and no draft in turn,
         if one is due after ``run`` steps of the chosen length that took ``run_s`` seconds (``n``
-        requests a step); ``None`` while none is."""
+        requests a step); ``None`` while none is: before :data:`PROBE_EVERY` steps, and until the
+        probe's estimated time is at most :data:`PROBE_SHARE` of ``run_s`` and its estimated loss
+        (that time, times how far its length's estimate is behind the chosen one's) at most
+        :data:`PROBE_LOSS` of it."""
         want = len(self.lengths) - 1 if b.probes % 2 == 0 else 0
+        if run < self.PROBE_EVERY:
+            return None
         probe_s = self.PROBE_STEPS * (b.step_cost(want) or 0.0) * n
-        return want if run >= self.PROBE_EVERY and run_s * self.PROBE_SHARE >= probe_s else None
+        if run_s * self.PROBE_SHARE < probe_s:
+            return None
+        probed, chosen = b.rate(want), b.rate(b.best())
+        behind = 1.0 - probed / chosen if probed is not None and chosen else 1.0
+        return want if run_s * self.PROBE_LOSS >= probe_s * max(0.0, behind) else None
 
     def _far_behind(self, b: _Bucket, i: int) -> bool:
         """Whether no draft's estimate is under :data:`NO_DRAFT_PROBE_WITHIN` of length ``i``'s: a

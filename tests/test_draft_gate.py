@@ -104,13 +104,17 @@ def test_a_new_bucket_measures_the_longest_and_no_draft_then_takes_the_best_esti
 def test_a_drafter_that_never_pays_goes_to_plain_steps_and_is_probed():
     gate = DraftGate(8)
     env = _Env(p=0.3, fixed=0.5, per_row=0.01)  # a propose that costs six plain steps
-    seq = _drive(gate, 2 * W + 1500, env)
+    seq = _drive(gate, 2 * W + 7000, env)
     assert seq[:2 * W] == [8] * W + [0] * W
     rest = seq[2 * W:]
     assert gate.stats()["5-8"]["draft_length"] == 0
-    # probes of the longest draft (each 4 steps of 0.58 s, after 20x that time: 575 plain steps), and a
-    # length or two tried
-    assert P <= sum(n != 0 for n in rest) <= 2 * P + 2 * W
+    # probes of the longest draft (each 4 steps of 1.22 s at a tenth of plain steps' tokens/s) wait
+    # until they would lose at most PROBE_LOSS of the time since the last: 90x their own time (5,500
+    # plain steps), not PROBE_SHARE's 20x (1,220); a length or two may be tried
+    drafted = [k for k, n in enumerate(rest) if n]
+    assert P <= len(drafted) <= 2 * P + 2 * W and drafted[0] > 5000
+    lost = sum(env.seconds(8, n) * (1 - env.rate(8, n) / env.rate(8, 0)) for n in rest if n)
+    assert lost <= DraftGate.PROBE_LOSS * sum(env.seconds(8, n) for n in rest)
 
 
 def test_probes_follow_acceptance_that_rises():
@@ -119,7 +123,9 @@ def test_probes_follow_acceptance_that_rises():
     seq = _drive(gate, 300, env)
     assert _true_best(env, gate.lengths) == 0 and seq[-30:].count(0) >= 30 - P
     env.p = 0.97  # text the drafter suits: the longest draft now wins
-    seq = _drive(gate, 4 * E + 50, env)
+    # its probe (at 31 % of plain steps' rate before) comes once it would lose at most PROBE_LOSS of
+    # the time since the last: after about 70x its own time (1,250 plain steps)
+    seq = _drive(gate, 1100, env)
     assert gate.stats()["5-8"]["draft_length"] == 8 == _true_best(env, gate.lengths)
     assert seq[-50:].count(8) >= 50 - P
 
