@@ -37,6 +37,8 @@
 #                                       # propose ms at batch 1, 8, 32 and e2e at batch 1 and 32
 #   bash bench/drafter_round.sh ring    # the staging ring: its GPU tests, e2e at batch 32 (null, DFlash, + gate, the plain
 #                                       # regime) here and in a baseline tree (BASE, carried), then batch 1 here
+#   bash bench/drafter_round.sh gatesb32 # the gate at batch 32 on Spec-Bench 0-239: null, the plain regime, DFlash + gate,
+#                                       # then null and DFlash + gate in a baseline tree (BASE, carried)
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
 #                                         # and 8 beside the same drafters reading their drafts back (the default)
 # Knobs: MAGPIE, CODE, GROUNDED, MATH, DOCS, HEVAL (prompts of each source; DOC_SOURCES: earlier builds whose
@@ -171,6 +173,19 @@ for part in "$@"; do
         --problems 0-5,10-15,20-25,30-35,40-45,50-55,60-65,70-75,80-85,160-165,240-245,320-325,400-405 \
         --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate --skip-hf \
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
+    gatesb32)  # the gate at batch 32 on Spec-Bench 0-239 (carried as .evaldata/question.jsonl): null, the plain regime
+               # (DFlash behind a gate that never drafts: what its hooks cost), DFlash + gate; then DFlash + gate in
+               # BASE's tree (default .baseline, carried: a git archive of an earlier commit, as for ring)
+      base=${BASE:-.baseline}
+      sb="bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl --problems 0-239
+        --max-new-tokens 256 --skip-hf --batch-sizes 32 --gate-history"
+      timeout 260 python $sb --drafters null,dflash+gate+plain,dflash+gate --out "$OUT/e2e_sb_gate_b32" 2>&1 \
+        | grep "^| specdec\|launched ahead"
+      mkdir -p "$base/specdec/drafters/checkpoints" "$base/.evaldata"
+      ln -sfn "$PWD/specdec/drafters/checkpoints/smollm2-135m-dflash" "$base/specdec/drafters/checkpoints/"
+      cp .evaldata/question.jsonl "$base/.evaldata/"
+      (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 200 python $sb --drafters null,dflash+gate \
+        --out "$OUT/e2e_sb_gate_base_b32" 2>&1 | grep "^| specdec\|launched ahead") ;;
     ring)  # the staging ring (a request's context positions wait for the propose that needs them): the GPU tests
            # of staged writes; e2e at batch 32 (null, DFlash, + gate, the plain regime: + gate + plain) in this tree
            # and in BASE's (default .baseline, made here and carried: git archive 601e80b specdec bench | tar -x
