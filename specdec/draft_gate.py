@@ -17,7 +17,7 @@ tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per 
 
 - ``c(L)``, a step's seconds per request at length ``L``: the mean of its last
   :data:`~DraftGate.WINDOW` measured steps, without those over :data:`~DraftGate.OUTLIER` times
-  their median (a one-off compile or capture). A length not measured yet is interpolated from the measured ones
+  their median (a one-off compile or capture; :data:`~DraftGate.PLAIN_OUTLIER` for plain steps). A length not measured yet is interpolated from the measured ones
   around it (a step's cost grows about linearly with its rows), so only lengths that could win are
   measured.
 - ``A(L)``, the drafted tokens a request gets accepted with at most ``L`` drafted, as a sum of
@@ -241,19 +241,19 @@ class _Bucket:
         """Seconds per request of a chained plain step (the mean of its window, outliers left out as
         in :meth:`measured_cost`); ``None`` before one."""
         if self._chained_cost is None and self.chained:
-            cut = DraftGate.OUTLIER * statistics.median(self.chained)
+            cut = DraftGate.PLAIN_OUTLIER * statistics.median(self.chained)
             kept = [c for c in self.chained if c <= cut]
             self._chained_cost = sum(kept) / len(kept)
         return self._chained_cost
 
     def measured_cost(self, i: int) -> float:
         """The mean of length ``i``'s window, without the steps slower than :data:`DraftGate.OUTLIER`
-        times its median (a compile, a capture). A mean, not a median: a drafter that often drafts
-        nothing (the suffix drafter without a match) makes most steps plain-priced and the others
-        dear, and both count."""
+        times its median (a compile, a capture; :data:`DraftGate.PLAIN_OUTLIER` for plain steps).
+        A mean, not a median: a drafter that often drafts nothing (the suffix drafter without a
+        match) makes most steps plain-priced and the others dear, and both count."""
         if self._cost[i] is None:
             window = self.cost[i]
-            cut = DraftGate.OUTLIER * statistics.median(window)
+            cut = (DraftGate.PLAIN_OUTLIER if i == 0 else DraftGate.OUTLIER) * statistics.median(window)
             kept = [c for c in window if c <= cut]
             self._cost[i] = sum(kept) / len(kept)
         return self._cost[i]
@@ -339,6 +339,12 @@ class DraftGate:
     #: a step slower than this many times its window's median is a one-off (a compile, a graph
     #: capture: hundreds of steps), left out of the cost
     OUTLIER = 16.0
+    #: the same for plain steps (chained or not), whose cost has one mode (no draft that may or may
+    #: not come) and moves within a bucket only with the batch: one at this many times the median is
+    #: a pause (a collector, a capture, the host descheduled). One chained step of 13 ms among 0.8 ms
+    #: ones, let in at 16x, doubled a window's mean and made drafting look faster for 170 steps
+    #: (H100, Spec-Bench at batch 32)
+    PLAIN_OUTLIER = 3.0
     #: a request-step's weight in a length's mean accepted tokens halves every this many steps of its
     #: bucket (a length measured only in probes is judged on its latest)
     ACCEPT_HALF_LIFE = 48
@@ -418,10 +424,9 @@ class DraftGate:
         launches it before the current one's tokens are known
         (:class:`specdec.executor.OverlapExecutor`).
 
-        Answered without changing anything; a best effort, not a binding promise. It says
-        ``False`` where recording the current step is known to be able to change the choice: a
-        probe's or first measurement's last step, a probe that may start (unless this step ran
-        over :data:`OUTLIER` times a plain step's cost: a capture, a collector pause), no draft
+        A best effort, not a binding promise. It says ``False`` where recording the current step
+        is known to be able to change the choice: a probe's or first measurement's last step, a
+        probe that fell due and waited on the step promised before this one, no draft
         leading by under :data:`CHAIN_MARGIN` while plain steps do not chain yet (one more
         measured plain step moves its cost; once they chain, a lead of any size will do). A
         wrong yes costs one plain step where the gate would have drafted (outputs never change);

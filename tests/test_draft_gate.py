@@ -384,6 +384,24 @@ def test_chained_plain_steps_are_priced_apart_from_the_first_of_a_run():
     assert mixed[-300:].count(0) < 0.2 * 300, mixed[-300:]
 
 
+def test_one_slow_chained_step_does_not_start_drafting():
+    """A pause in one chained plain step (a collector, the host descheduled: 15x its cost) is left out
+    of the chained price, where a 16x cut let it double the window's mean and drafting, at 0.6x
+    plain steps' rate, took over (H100, Spec-Bench at batch 32)."""
+    gate = DraftGate(8)
+    env = _Chaining(p=0.5, fixed=0.02, per_row=0.0005, chained=0.4)
+    _drive_chaining(gate, 2 * W + 60, env, batch=32)
+    b = gate._buckets[bucket_of(32)]
+    assert b.chaining and gate.draft_length(32) == 0
+    drafting = max(b.rate(j) for j in range(1, len(gate.lengths)))
+    assert drafting < 0.75 * b.plain_rate() < 2 * drafting  # a doubled plain price would flip it
+    assert gate.plain_next(32)
+    gate.record(32, 0, env.accepted(32, 0), 15 * env.step_seconds(32, 0, True), ahead=True)
+    assert gate.draft_length(32) == 0
+    seq = _drive_chaining(gate, 50, env, batch=32)
+    assert seq.count(0) == 50
+
+
 def test_when_the_engine_stops_chaining_no_draft_is_priced_unchained_again():
     """An engine that declines to chain (requests waiting, a preemption) runs plain steps unchained:
     its declines soon outnumber the chained steps, no draft is priced at their cost again, and the
