@@ -140,7 +140,7 @@ for part in "$@"; do
       timeout 150 python -m pytest tests/test_draft_gate.py -m gpu -p no:cacheprovider -rA -o addopts= 2>&1 \
         | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -40 | tee "$OUT/gpu_tests_gate.txt"
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 8,32 --drafters null,dflash,dflash+gate --skip-hf --gate-history --out "$OUT/e2e_gate_chain" \
+        --batch-sizes 8,32 --drafters null,dflash+nogate,dflash --skip-hf --gate-history --out "$OUT/e2e_gate_chain" \
         2>&1 | grep "^|\|draft gate\|launched ahead\|gate's measured" ;;
     fold)  # the propose's attention with a KV head's query heads folded into its query rows (the default)
            # against one head at a time, each drafter, in one run
@@ -164,14 +164,15 @@ for part in "$@"; do
       timeout 400 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
         --batch-sizes "${BATCHES:-1,32}" --drafters "null,dflash,dflash@$OTHER" --skip-hf \
         --out "$OUT/e2e_other" 2>&1 | grep "^|" ;;
-    gate)  # the draft gate (draft_gate=True: per batch size, the draft length measured fastest) beside the same drafters
+    gate)  # the draft gate (per batch size, the draft length measured fastest; the block drafters' default) beside
+           # the same drafters without it (+nogate) and the suffix drafter with it (+gate)
       timeout 420 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate,dspark,dspark+gate --skip-hf \
+        --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash+nogate,dflash,dspark+nogate,dspark --skip-hf \
         --out "$OUT/e2e_gate_humaneval" 2>&1 | grep "^|\|draft gate\|launched ahead" ;;
     gatesb)  # the same on Spec-Bench, 6 first turns per category (78)
       timeout 540 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
         --problems 0-5,10-15,20-25,30-35,40-45,50-55,60-65,70-75,80-85,160-165,240-245,320-325,400-405 \
-        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash,dflash+gate --skip-hf \
+        --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash+nogate,dflash --skip-hf \
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
     gatesb32)  # the gate at batch 32 on Spec-Bench 0-239 (carried as .evaldata/question.jsonl): null, the plain regime
                # (DFlash behind a gate that never drafts: what its hooks cost), DFlash + gate; then DFlash + gate in
@@ -195,7 +196,7 @@ for part in "$@"; do
         -o addopts= 2>&1 | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" | head -20 \
         | tee "$OUT/gpu_tests_ring.txt"
       e2e="bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 --skip-hf"
-      timeout 200 python $e2e --batch-sizes 32 --drafters null,dflash+gate+plain,dflash,dflash+gate --gate-history \
+      timeout 200 python $e2e --batch-sizes 32 --drafters null,dflash+gate+plain,dflash+nogate,dflash+gate --gate-history \
         --out "$OUT/e2e_ring_b32" 2>&1 | grep "^| specdec\|launched ahead"
       mkdir -p "$base/specdec/drafters/checkpoints"
       ln -sfn "$PWD/specdec/drafters/checkpoints/smollm2-135m-dflash" "$base/specdec/drafters/checkpoints/"

@@ -17,7 +17,8 @@ Systems (over the same chat-templated HumanEval prompts, greedy, per batch size)
                      overlap_steps=False (+overlap: True; the default is on for null on CUDA), +conf
                      with draft_length="confidence" (drafts cut where their expected accepted tokens
                      per unit of step cost stop rising), +gate with draft_gate=True (per batch size, the
-                     draft length, 0 included, measured to emit the most tokens/s), +gate+plain with a gate
+                     draft length, 0 included, measured to emit the most tokens/s; the default of the
+                     block drafters), +nogate with draft_gate=False (every step drafts), +gate+plain with a gate
                      that never drafts and chains every step (what the drafter costs the plain regime a gate
                      can settle in; overlapped engines only), +nofreeze with freeze_heap=False (the garbage
                      collector's full passes walk the whole heap during generate); its ratio and equality are taken to
@@ -283,6 +284,7 @@ ENGINE_VARIANTS = {"pg": {"prompt_graphs": True}, "nopg": {"prompt_graphs": Fals
                    "overlap": {"overlap_steps": True}, "nooverlap": {"overlap_steps": False},
                    "conf": {"draft_length": "confidence"},
                    "gate": {"draft_gate": True},  # '+gate': the draft length measured fastest per batch size
+                   "nogate": {"draft_gate": False},  # '+nogate': every step drafts (block drafters gate by default)
                    "plain": {},  # '+plain' (with '+gate'): never draft, chain every step (the plain regime's cost)
                    "nofreeze": {"freeze_heap": False}}  # '+nofreeze': the collector walks the whole heap
 # drafter settings a system name may add ("dflash+compile"); ratios are to plain null. A block

@@ -17,7 +17,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="model name, HF checkpoint dir or .gguf file")
     p.add_argument("--drafter", default="suffix", help="registered drafter name (null, suffix, ...)")
     p.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
-    p.add_argument("--draft-gate", action="store_true", help=DRAFT_GATE_HELP)
+    p.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None, help=DRAFT_GATE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
@@ -29,7 +29,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 DRAFT_GATE_HELP = ("per batch size, draft the number of tokens (0 = none) measured to emit the most tokens/s "
-                   "(EngineConfig.draft_gate; outputs are unchanged)")
+                   "(EngineConfig.draft_gate; outputs are unchanged); default: as the drafter declares (on for "
+                   "dflash and dspark, off for suffix and hybrid)")
 
 
 def _check_flags(args) -> None:
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the suffix drafter's global automaton: most tokens of finished responses it indexes, "
                         "oldest dropped first (default: the drafter's, 262144, about 256 MB; none: unbounded)")
     s.add_argument("--max-draft-tokens", type=int, default=8, help="most draft tokens per step (k)")
-    s.add_argument("--draft-gate", action="store_true", help=DRAFT_GATE_HELP)
+    s.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None, help=DRAFT_GATE_HELP)
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.set_defaults(raw=False)

@@ -161,8 +161,12 @@ class EngineConfig:
             ``(1 + accepted) / cost`` from the steps measured so far
             (:class:`specdec.draft_gate.DraftGate`). Outputs are unchanged (a shorter draft is a
             prefix, a plain step the null drafter's); its choices are in
-            :attr:`SpecEngine.draft_gate_stats`. ``False`` (default): every step drafts up to
-            ``max_draft_tokens``.
+            :attr:`SpecEngine.draft_gate_stats`. ``False``: every step drafts up to
+            ``max_draft_tokens``. ``None`` (default): as the drafter declares
+            (``Drafter.gated_by_default``): on for the block drafters (DFlash, DSpark), whose
+            propose costs about a target step, off for the suffix and hybrid drafters, and off
+            with ``helix_cp > 1`` or ``attention_tp > 1`` (ranks must draft alike; ``True`` there
+            is an error).
         attention_pdl: launch the Triton attention kernels with programmatic dependent launch
             (:mod:`specdec.pdl`); ``None`` (default): where the GPU has it (SM90+). ``True`` on a GPU
             without it is an error when a step runs them. The engine builds its own backends with
@@ -190,7 +194,7 @@ class EngineConfig:
     attention_pdl: bool | None = None
     max_prefill_tokens: int | None = None
     freeze_heap: bool = True
-    draft_gate: bool = False
+    draft_gate: bool | None = None
 
     def __new__(cls, *args, **kwargs):
         _check_field_names(cls, args, kwargs, ConfigError)  # before a bare TypeError from __init__
@@ -229,9 +233,11 @@ class EngineConfig:
         if self.kv_scale != 1.0 and self.kv_cache_dtype == "auto":
             raise ConfigError(f"kv_scale applies only to kv_cache_dtype='fp8_e4m3' (got kv_cache_dtype='auto'): "
                               f"must be 1.0, got {self.kv_scale!r}")
-        for name in ("cuda_graphs", "batch_invariant", "prompt_graphs", "freeze_heap", "draft_gate"):
+        for name in ("cuda_graphs", "batch_invariant", "prompt_graphs", "freeze_heap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.draft_gate is not None and not isinstance(self.draft_gate, bool):
+            raise ConfigError(f"draft_gate must be True, False or None (as the drafter declares), got {self.draft_gate!r}")
         if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):
             raise ConfigError(f"overlap_steps must be True, False or None (where it helps), got {self.overlap_steps!r}")
         if self.max_prefill_tokens is not None and (not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1):
@@ -243,6 +249,10 @@ class EngineConfig:
             raise ConfigError("max_prefill_tokens (chunked prefill) is not supported with helix_cp > 1 yet")
         if not _is_int(self.attention_tp) or self.attention_tp < 1:
             raise ConfigError(f"attention_tp must be an integer >= 1 (1 = off), got {self.attention_tp!r}")
+        if self.draft_gate and (self.helix_cp > 1 or self.attention_tp > 1):
+            raise ConfigError("draft_gate=True is not supported with helix_cp > 1 or attention_tp > 1: the gate "
+                              "decides from each rank's own step times, and ranks must draft alike "
+                              "(None, the default, leaves it off there)")
         if self.batch_invariant and not self.cuda_graphs:
             raise ConfigError("batch_invariant=True needs cuda_graphs=True (the invariant step is a graph bucket)")
 

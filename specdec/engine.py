@@ -128,7 +128,10 @@ class SpecEngine:
         self._max_draft = 0 if getattr(self.drafter, "never_drafts", False) else cfg.max_draft_tokens
         self._check_forced_backend()
         #: draft_gate: how many tokens steps draft, per batch size, by measured tokens/s (None: max_draft_tokens)
-        self._gate = DraftGate(self._max_draft) if cfg.draft_gate and self._max_draft else None
+        # None: as the drafter declares, but never across ranks (each would decide from its own step times)
+        gated = cfg.draft_gate if cfg.draft_gate is not None else (
+            bool(getattr(self.drafter, "gated_by_default", False)) and cfg.helix_cp == 1 and cfg.attention_tp == 1)
+        self._gate = DraftGate(self._max_draft) if gated and self._max_draft else None
         self._draft_cap = self._max_draft  # the most tokens a request drafts this step (the gate's choice)
         overlap = overlap_wanted(cfg.overlap_steps, not self._max_draft, target.device.type,
                                  type(self.drafter).__name__, cfg.max_draft_tokens, cfg.helix_cp,

@@ -76,7 +76,7 @@ def test_block_drafters_are_lossless_shared_or_separate(tiny, cls, shift, tpb):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     base = SpecEngine(tiny, NullDrafter(), tokens_per_block=tpb).generate(PROMPTS, params)
     drafter = cls(init_weights(BlockDrafterNet(cfg(shift)), seed=1))
-    engine = SpecEngine(tiny, drafter, tokens_per_block=tpb, max_draft_tokens=4)
+    engine = SpecEngine(tiny, drafter, tokens_per_block=tpb, max_draft_tokens=4, draft_gate=False)
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     layout = engine.kv_layout
@@ -90,7 +90,7 @@ def test_block_drafters_are_lossless_shared_or_separate(tiny, cls, shift, tpb):
 def test_context_features_written_only_for_accepted_positions(tiny):
     """The drafter's KV for position p equals what a fresh context pass over the accepted tokens gives."""
     drafter = DSparkDrafter(init_weights(BlockDrafterNet(cfg(1)), seed=2))
-    engine = SpecEngine(tiny, drafter, tokens_per_block=4, max_draft_tokens=4)
+    engine = SpecEngine(tiny, drafter, tokens_per_block=4, max_draft_tokens=4, draft_gate=False)
     rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True))
     for _ in range(4):
         engine.step()
@@ -109,7 +109,7 @@ def test_context_features_written_only_for_accepted_positions(tiny):
 
 def test_appended_draft_layers_share_pages_and_free_together(tiny):
     drafter = DFlashDrafter(init_weights(BlockDrafterNet(cfg(0))))
-    engine = SpecEngine(tiny, drafter, tokens_per_block=16, num_pages=20)
+    engine = SpecEngine(tiny, drafter, tokens_per_block=16, num_pages=20, draft_gate=False)
     tb, db = engine.pool.specs[0].bytes_per_token, drafter.kv_layer_specs()[0].bytes_per_token
     assert engine.pool.bytes_per_token == 3 * tb + db  # capacity counts target + draft layers
     engine.add_request(PROMPTS[2], SamplingParams(max_new_tokens=8, ignore_eos=True))

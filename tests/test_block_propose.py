@@ -852,7 +852,7 @@ class TestOnGPU:
                              ("compiled", True)):
             d = None if graphs is None else (DFlashDrafter if kind == "dflash" else DSparkDrafter)(
                 init_weights(BlockDrafterNet(cfg), seed=4), cuda_graphs=graphs, torch_compile=name == "compiled")
-            engine = SpecEngine(target, d, max_draft_tokens=4, tokens_per_block=16)
+            engine = SpecEngine(target, d, max_draft_tokens=4, tokens_per_block=16, draft_gate=False)
             if name in ("precaptured", "compiled"):  # every propose bucket before the first step: none captured later
                 engine.capture_graphs(max_kv_len=400, progress=False)
                 before = d.stats["graphs_captured"]

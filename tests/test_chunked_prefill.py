@@ -58,7 +58,7 @@ class _Spy:
 
 
 def _run(target, drafter, prompts, params, **cfg):
-    engine = SpecEngine(target, drafter, max_num_seqs=4, tokens_per_block=16, **cfg)
+    engine = SpecEngine(target, drafter, max_num_seqs=4, tokens_per_block=16, **{"draft_gate": False, **cfg})
     free = engine.manager.num_free_pages
     spy = _Spy(engine)
     outs = engine.generate(prompts, params, chat=False)

@@ -92,7 +92,7 @@ def test_take_drafts_replaces_exactly_the_placeholders(ids, data):
 
 # -- the engine with drafts on the device ---------------------------------------------------------
 def _generate(target, drafter, prompts, params, **kw):
-    engine = SpecEngine(target, drafter, max_draft_tokens=4, tokens_per_block=16, **kw)
+    engine = SpecEngine(target, drafter, max_draft_tokens=4, tokens_per_block=16, **{"draft_gate": False, **kw})
     return engine, engine.generate(prompts, params)
 
 
@@ -324,7 +324,7 @@ def test_gpu_propose_and_step_launch_without_a_synchronisation(tmp_path):
     _, base = _generate(target, NullDrafter(), PROMPTS, params)
     _, on_host = _generate(target, DFlashDrafter(net(0), torch_compile=False), PROMPTS, params)
     drafter = DFlashDrafter(net(0), torch_compile=False, device_drafts=None)
-    engine = SpecEngine(target, drafter, max_draft_tokens=4, tokens_per_block=16)
+    engine = SpecEngine(target, drafter, max_draft_tokens=4, tokens_per_block=16, draft_gate=False)
     assert drafter.device_drafts  # None: on for a CUDA target
     engine.capture_graphs(max_kv_len=120, progress=False)  # no capture (which synchronises) inside the steps
     for p in PROMPTS:

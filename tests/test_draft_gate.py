@@ -478,9 +478,14 @@ def test_a_chaining_engine_is_promised_only_plain_steps_the_gate_takes(p, fixed,
     _drive_chaining(DraftGate(8), steps, _Chaining(p, fixed, per_row, chained), batch, check_promises=True)
 
 
-def test_draft_gate_must_be_a_bool():
-    with pytest.raises(ConfigError, match="draft_gate"):
+def test_draft_gate_must_be_a_bool_or_none():
+    with pytest.raises(ConfigError, match="draft_gate must be True, False or None"):
         EngineConfig(draft_gate="yes")
+    assert EngineConfig().draft_gate is None
+    for multi_rank in ({"helix_cp": 2}, {"attention_tp": 2}):  # each rank would decide from its own step times
+        with pytest.raises(ConfigError, match="draft_gate=True is not supported with helix_cp > 1"):
+            EngineConfig(draft_gate=True, **multi_rank)
+        assert EngineConfig(draft_gate=False, **multi_rank).draft_gate is False
 
 
 class _Slow(SuffixAutomatonDrafter):
@@ -567,6 +572,20 @@ def test_without_the_gate_every_step_drafts_and_there_are_no_stats(tiny):
     assert engine.draft_gate_stats is None
     # every step but the prompts' and the last (one token left: nothing to draft)
     assert drafter.proposes == engine.timings["steps"] - 2
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_by_default_block_drafters_are_gated_and_the_suffix_drafter_is_not(tiny3, setting):
+    """``draft_gate=None`` (the default) follows the drafter's ``gated_by_default``; True or False
+    overrides it either way."""
+    block = DFlashDrafter(init_weights(BlockDrafterNet(_block_cfg(0)), seed=1))
+    for drafter, declared in ((block, True), (SuffixAutomatonDrafter(), False)):
+        assert type(drafter).gated_by_default is declared
+        engine = SpecEngine(tiny3, drafter, max_num_seqs=4, draft_gate=setting)
+        engine.generate([[1, 2, 3, 4, 1, 2, 3]], SamplingParams(max_new_tokens=12, ignore_eos=True), chat=False)
+        gated = declared if setting is None else setting
+        assert (engine.draft_gate is not None) is gated
+        assert (engine.draft_gate_stats is not None) is gated
 
 
 def test_the_null_drafter_has_no_gate(tiny):

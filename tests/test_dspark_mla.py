@@ -125,7 +125,8 @@ def test_page_sizes_it_does_not_read_give_a_separate_pool(target):
 
 
 def _generate(target, drafter, batch_size, **kw):
-    engine = SpecEngine(target, drafter, max_draft_tokens=4, **{"tokens_per_block": 4, "num_pages": 64, **kw})
+    engine = SpecEngine(target, drafter, max_draft_tokens=4, **{"tokens_per_block": 4, "num_pages": 64,
+                                                                 "draft_gate": False, **kw})
     return [o for i in range(0, len(PROMPTS), batch_size) for o in engine.generate(PROMPTS[i:i + batch_size], PARAMS)]
 
 

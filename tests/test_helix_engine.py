@@ -129,6 +129,7 @@ def _equal_worker(rank: int, world: int, store: str, heads: int, runs, want, tp:
                     check_shares(e)
                 outs = [e.release(i) for i in ids]
                 backends = e.graph_stats["backends"]
+                assert e.draft_gate is None  # a block drafter's default gate stays off across ranks
             got = [o.token_ids for o in outs]
             drafted, accepted = sum(o.stats.drafted for o in outs), sum(o.stats.accepted for o in outs)
             what = f"rank {rank}, cp={cp}, tp={tp}, H={heads}, drafter {kind}, batch {batch}"

@@ -33,7 +33,7 @@ def _prompts() -> list[str]:
 
 
 def _run(target, drafter, prompts, batch_size):
-    engine = SpecEngine(target, drafter, max_draft_tokens=6, tokens_per_block=16)
+    engine = SpecEngine(target, drafter, max_draft_tokens=6, tokens_per_block=16, draft_gate=False)
     outs = []
     for i in range(0, len(prompts), batch_size):
         outs += engine.generate(prompts[i:i + batch_size], SamplingParams(max_new_tokens=NEW_TOKENS))
@@ -93,7 +93,7 @@ def test_shipped_block_drafters_are_lossless(smollm2, baseline, drafter_cls, dra
     CostProfile({(1, 1): 1.0, (1, 17): 2.6, (8, 8): 1.0, (8, 136): 13.8}, {}).save(tmp_path / "cost.json")
     prompts = _prompts()
     drafter = drafter_cls(torch_compile=compiled)  # the shipped checkpoint for smollm2-135m
-    engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16, draft_length=draft_length,
+    engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16, draft_length=draft_length, draft_gate=False,
                         cost_profile=str(tmp_path / "cost.json"))
     assert engine.kv_layout["shared"]
     outs = []
@@ -116,7 +116,7 @@ def test_shipped_block_drafters_with_drafts_on_the_device_are_lossless(smollm2, 
     on the device): token for token null's, over the 20 prompts."""
     learned = (DSparkDrafter if system == "dspark" else DFlashDrafter)(device_drafts=True)
     drafter = HybridDrafter(learned, cost_aware=False) if system.startswith("hybrid") else learned
-    engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16)
+    engine = SpecEngine(smollm2, drafter, max_draft_tokens=7, tokens_per_block=16, draft_gate=False)
     prompts = _prompts()
     outs = []
     for i in range(0, len(prompts), batch_size):
@@ -155,7 +155,8 @@ def test_chunked_prefill_is_lossless(smollm2, baseline, system, chunk):
     whole prompts with the null drafter; DFlash reads its context from the chunks' hidden states."""
     prompts = _prompts()
     drafter = SuffixAutomatonDrafter(max_draft_tokens=6) if system == "suffix" else DFlashDrafter()
-    engine = SpecEngine(smollm2, drafter, max_draft_tokens=6, tokens_per_block=16, max_prefill_tokens=chunk)
+    engine = SpecEngine(smollm2, drafter, max_draft_tokens=6, tokens_per_block=16, max_prefill_tokens=chunk,
+                        draft_gate=False)
     outs = []
     for i in range(0, len(prompts), 4):
         outs += engine.generate(prompts[i:i + 4], SamplingParams(max_new_tokens=NEW_TOKENS))

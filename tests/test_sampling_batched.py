@@ -240,7 +240,7 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def _run(target, drafter, prompts, params, warm: list | None = None):
-    engine = SpecEngine(target, drafter, max_draft_tokens=4, num_pages=128)
+    engine = SpecEngine(target, drafter, max_draft_tokens=4, num_pages=128, draft_gate=False)
     if warm:  # other requests first: a suffix drafter's global automaton learns their responses
         engine.generate(warm, _with_seed(params, 99))
     return engine.generate(prompts, params)
@@ -271,7 +271,7 @@ def test_a_seed_gives_the_null_drafters_tokens_with_any_drafter(target, null_out
     accepted): each seeded request equals its solo null-drafter run, each greedy one its solo output."""
     sampled, greedy = null_outputs
     drafter, warm = DRAFTERS[name]()
-    engine = SpecEngine(target, drafter, max_draft_tokens=4, num_pages=128)
+    engine = SpecEngine(target, drafter, max_draft_tokens=4, num_pages=128, draft_gate=False)
     if warm:
         engine.generate(warm, _with_seed(SAMPLED, 99))
     alone = engine.generate([PROMPTS[0]], _with_seed(SAMPLED, 11))[0]

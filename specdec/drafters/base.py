@@ -200,6 +200,11 @@ class Drafter:
     #: A drafter that never proposes a token (the null drafter): the engine reserves no draft slots
     #: for it and may overlap its decode steps. Declared, so the engine never tests a drafter's class.
     never_drafts: ClassVar[bool] = False
+    #: Whether the engine measures each batch size's best draft length (its draft gate,
+    #: :class:`specdec.draft_gate.DraftGate`) when ``EngineConfig.draft_gate`` is ``None``, the
+    #: default: a drafter whose propose costs about a target step (a learned one on a small target)
+    #: pays at small batches and not at large ones. Model-free drafters: ``False``.
+    gated_by_default: ClassVar[bool] = False
     #: Output slot ``i`` predicts position ``anchor + i + shift_label`` (docs/design.md §5).
     shift_label: int = 1
     #: Whether its attention can read context pages sharded across Helix ranks.

@@ -140,6 +140,10 @@ class BlockDrafter(Drafter):
     """
 
     reads_helix_sharded_ctx_pages = False
+    #: Its propose costs about a target step on a small target: the engine gates its drafts by
+    #: measurement unless ``EngineConfig.draft_gate`` says otherwise (on the H100 at batch 32, DFlash
+    #: ran 0.80x the null drafter's tokens/s without the gate, 0.99x with it; BENCHMARKS.md).
+    gated_by_default: ClassVar[bool] = True
 
     #: The network class it runs (the MLA variant swaps in its own, see ``dspark_mla.py``).
     net_class: ClassVar[type] = BlockDrafterNet
