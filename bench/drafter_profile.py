@@ -257,7 +257,8 @@ def engine_runs(target, name: str, n: int, ctx: int, new_tokens: int,
         if path == "old":
             d.propose = lambda r, k, d=d: old_propose(d, r, k)
         pages = n * (-(-(ctx + ctx // 8 + new_tokens + 16) // 16) + 1)
-        engine = SpecEngine(target, d, max_num_seqs=n, max_draft_tokens=d.config.draft_width, num_pages=pages)
+        engine = SpecEngine(target, d, max_num_seqs=n, max_draft_tokens=d.config.draft_width, num_pages=pages,
+                            draft_gate=False)  # every step proposes: the propose is what is timed
         engine.generate(prompts(1), params)  # untimed, other lengths: kernels, graph captures
         before = dict(engine.timings)
         sync(target.device)

@@ -127,14 +127,14 @@ for part in "$@"; do
       DATA="${DATA_SETS:-$(ls -d data/drafter-smollm2-135m*/ | tr '\n' ' ')}" INIT=1 \
         SECONDS_BUDGET="${SECONDS_BUDGET:-240}" bash "$0" train
       timeout 270 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes "${BATCHES:-1,8}" --drafters null,suffix,dflash,dspark,hybrid,hybrid+nocost,hybrid+dflash --skip-hf \
+        --batch-sizes "${BATCHES:-1,8}" --drafters null,suffix,dflash+nogate,dspark+nogate,hybrid,hybrid+nocost,hybrid+dflash --skip-hf \
         --out "$OUT/e2e_round" 2>&1 | grep "^|\|^- " ;;
     eval)
       timeout 250 python bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 \
-        --batch-sizes 1,8,32 --drafters null,suffix,dflash,dspark,dspark+conf --skip-hf --out "$OUT/e2e_humaneval" \
+        --batch-sizes 1,8,32 --drafters null,suffix,dflash+nogate,dspark+nogate,dspark+nogate+conf,dflash --skip-hf --out "$OUT/e2e_humaneval" \
         2>&1 | grep "^|"
       timeout 300 python bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl \
-        --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash,dspark,dspark+conf \
+        --problems 0-479 --max-new-tokens 256 --batch-sizes 8,32 --drafters null,suffix,dflash+nogate,dspark+nogate,dspark+nogate+conf,dflash \
         --skip-hf --out "$OUT/e2e_specbench" 2>&1 | grep "^|" ;;
     chain)  # a gated engine's plain steps chained (overlapped): the GPU test, then null / DFlash / DFlash + gate
       timeout 150 python -m pytest tests/test_draft_gate.py -m gpu -p no:cacheprovider -rA -o addopts= 2>&1 \
@@ -175,12 +175,13 @@ for part in "$@"; do
         --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash+nogate,dflash --skip-hf \
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
     gatesb32)  # the gate at batch 32 on Spec-Bench 0-239 (carried as .evaldata/question.jsonl): null, the plain regime
-               # (DFlash behind a gate that never drafts: what its hooks cost), DFlash + gate; then DFlash + gate in
+               # (DFlash behind a gate that never drafts: what its hooks cost), DFlash + gate, with an untimed
+               # cProfile pass of each (where the plain regime's host time goes); then DFlash + gate in
                # BASE's tree (default .baseline, carried: a git archive of an earlier commit, as for ring)
       base=${BASE:-.baseline}
       sb="bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl --problems 0-239
         --max-new-tokens 256 --skip-hf --batch-sizes 32 --gate-history"
-      timeout 260 python $sb --drafters null,dflash+gate+plain,dflash+gate --out "$OUT/e2e_sb_gate_b32" 2>&1 \
+      timeout 280 python $sb --drafters null,dflash+gate+plain,dflash+gate --cprofile 32 --out "$OUT/e2e_sb_gate_b32" 2>&1 \
         | grep "^| specdec\|launched ahead"
       mkdir -p "$base/specdec/drafters/checkpoints" "$base/.evaldata"
       ln -sfn "$PWD/specdec/drafters/checkpoints/smollm2-135m-dflash" "$base/specdec/drafters/checkpoints/"

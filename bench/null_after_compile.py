@@ -116,7 +116,7 @@ def compiled_drafter_phase(target, ps, args) -> dict:
     else:
         drafter = DSparkDrafter.from_pretrained("smollm2-135m-dspark")
         drafter.torch_compile = True
-    engine = SpecEngine(target, drafter, max_num_seqs=len(ps), max_draft_tokens=8)
+    engine = SpecEngine(target, drafter, max_num_seqs=len(ps), max_draft_tokens=8, draft_gate=False)  # compiles at its first propose
     t0 = time.perf_counter()
     engine.generate(ps, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
     sync(target.device)

@@ -91,7 +91,7 @@ def run_mix(target, drafter: str, mix: str, prompts: list[str], max_prompt_len: 
     first batch of ``prompts`` when ``None``), then the timed pass over ``prompts``."""
     kwargs = {"max_draft_tokens": args.k} if drafter == "suffix" else {}
     engine = SpecEngine(target, make_drafter(drafter, **kwargs), max_draft_tokens=args.k,
-                        max_num_seqs=args.batch_size)
+                        max_num_seqs=args.batch_size, draft_gate=False)  # every step drafts: sampled verify is measured
     params = mix_params(mix, len(prompts), args)
     b = args.batch_size
     try:

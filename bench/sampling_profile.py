@@ -230,7 +230,8 @@ def e2e(target, drafter: str, mix: str, kernel: bool | None, prompts, max_kv_len
                              **({"temperature": TEMPERATURE, "top_p": TOP_P, "seed": i}
                                 if mix == "half" and i % 2 else {})) for i in range(n)]
     kwargs = {"max_draft_tokens": args.k} if drafter == "suffix" else {}
-    engine = SpecEngine(target, make_drafter(drafter, **kwargs), max_draft_tokens=args.k, max_num_seqs=n)
+    engine = SpecEngine(target, make_drafter(drafter, **kwargs), max_draft_tokens=args.k, max_num_seqs=n,
+                        draft_gate=False)  # every step drafts: sampled verify is measured
     saved, smp.USE_KERNEL = smp.USE_KERNEL, kernel
     try:
         if hasattr(engine, "capture_graphs") and target.device.type == "cuda":

@@ -593,7 +593,7 @@ def test_trained_drafters_are_lossless(tiny, trained, name, batch):
     prompts = toy_prompts()[:8]  # prompts whose continuations it learnt
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     base = SpecEngine(tiny, max_num_seqs=batch).generate(prompts, params)
-    engine = SpecEngine(tiny, loaded, max_num_seqs=batch)
+    engine = SpecEngine(tiny, loaded, max_num_seqs=batch, draft_gate=False)  # every step drafts
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     acc = [a for o in outs for a in o.stats.accepted_lengths]
@@ -609,7 +609,7 @@ def test_the_engines_steps_equal_the_walk_replayed_from_training_code(tiny, trai
     cls = DFlashDrafter if name == "dflash" else DSparkDrafter
     net = BlockDrafterNet.load(folder).float().eval()
     prompts = toy_prompts()[:8]
-    outs = SpecEngine(tiny, cls.from_pretrained(folder), max_num_seqs=1).generate(
+    outs = SpecEngine(tiny, cls.from_pretrained(folder), max_num_seqs=1, draft_gate=False).generate(
         prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     walks = []
     for prompt, out in zip(prompts, outs):

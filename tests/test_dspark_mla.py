@@ -163,7 +163,7 @@ def test_lossless_with_an_fp8_target_cache(target, trained_net):
 
 def test_latents_live_in_the_target_pool_and_roll_back_with_it(target, trained_net):
     drafter = MLADSparkDrafter(trained_net)
-    engine = SpecEngine(target, drafter, tokens_per_block=4, num_pages=40, max_draft_tokens=4)
+    engine = SpecEngine(target, drafter, tokens_per_block=4, num_pages=40, max_draft_tokens=4, draft_gate=False)
     rid = engine.add_request(PROMPTS[3], SamplingParams(max_new_tokens=24, ignore_eos=True))
     seq, layer = engine._seqs[rid], engine.draft_kv.layer_ids[0]
     rejected = 0
