@@ -176,12 +176,13 @@ for part in "$@"; do
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
     gatesb32)  # the gate at batch 32 on Spec-Bench 0-239 (carried as .evaldata/question.jsonl): null, the plain regime
                # (DFlash behind a gate that never drafts: what its hooks cost), DFlash + gate, with an untimed
-               # cProfile pass of each (where the plain regime's host time goes); then DFlash + gate in
+               # cProfile pass of each over its first $CPROFILE prompts (default 96: requests leaving and
+               # joining, where the plain regime's host time goes); then DFlash + gate in
                # BASE's tree (default .baseline, carried: a git archive of an earlier commit, as for ring)
       base=${BASE:-.baseline}
       sb="bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl --problems 0-239
         --max-new-tokens 256 --skip-hf --batch-sizes 32 --gate-history"
-      timeout 280 python $sb --drafters null,dflash+gate+plain,dflash+gate --cprofile 32 --out "$OUT/e2e_sb_gate_b32" 2>&1 \
+      timeout 280 python $sb --drafters null,dflash+gate+plain,dflash+gate --cprofile ${CPROFILE:-96} --out "$OUT/e2e_sb_gate_b32" 2>&1 \
         | grep "^| specdec\|launched ahead"
       mkdir -p "$base/specdec/drafters/checkpoints" "$base/.evaldata"
       ln -sfn "$PWD/specdec/drafters/checkpoints/smollm2-135m-dflash" "$base/specdec/drafters/checkpoints/"

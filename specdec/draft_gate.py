@@ -48,7 +48,8 @@ still interpolated; then it takes the leader. Every :data:`~DraftGate.PROBE_EVER
 measures, in turn, the longest draft (fresh acceptance for every length) and no draft (only while
 its estimate is within :data:`~DraftGate.NO_DRAFT_PROBE_WITHIN` of the chosen length's),
 :data:`~DraftGate.PROBE_STEPS` steps, so a change (longer contexts, text the drafter suits) is
-followed; a probe waits longer where its steps would take over :data:`~DraftGate.PROBE_SHARE` of
+followed (where it holds no draft, every probe is of the longest); a probe waits longer where its
+steps would take over :data:`~DraftGate.PROBE_SHARE` of
 the time since the last, or where the tokens they would lose (their time, times how far the probed
 length's estimate is behind the chosen one's) would come to over :data:`~DraftGate.PROBE_LOSS` of
 it: a learned drafter at batch 32, its longest draft at 40 % of plain steps' rate, is probed a third
@@ -65,6 +66,13 @@ the two apart (``record(..., ahead=True)``) and prices no draft at the chained s
 with the unchained steps' in the share of its last promised plain steps the engine declined (a
 request's last token, requests waiting, a preemption): a few declines barely move the price; an
 engine that declines half of them or more is priced at the unchained cost alone.
+
+How much of a draft is accepted is a matter of the text, which changes with the requests: when
+requests join the batch (:meth:`DraftGate.joined`, told by the engine as their prompts finish), the
+acceptance measured before weighs their share of the batch less, and where they make up half of it
+or more (a batch of 1 or 2) a bucket that holds no draft probes the longest at once. At batch 1 a
+request's text is the whole batch: a gate that stopped drafting on one answer would otherwise carry
+that answer's acceptance into the next, and wait a probe's interval to see it.
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
@@ -157,6 +165,16 @@ class _Acceptance:
                 self.tot[j] += upto[self.lengths[j]]
                 self.sq[j] += sq_upto[self.lengths[j]]
                 self.w2[j] += len(accepted)
+
+    def scale(self, keep: float) -> None:
+        """Weigh every request-step so far ``keep`` times as much (their mean and standard error stay;
+        only what later steps weigh beside them grows)."""
+        for j in range(1, len(self.lengths)):
+            self.sum[j] *= keep
+            self.n[j] *= keep
+            self.sq[j] *= keep
+            self.tot[j] *= keep
+            self.w2[j] *= keep * keep
 
     def mean(self, i: int) -> float | None:
         """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
@@ -362,6 +380,17 @@ class DraftGate:
     #: time since the last (a length near the lead is probed every :data:`PROBE_SHARE`; one far behind
     #: less often)
     PROBE_LOSS = 0.01
+    #: how much of a draft the target accepts is a matter of the request's text: where requests join
+    #: a batch (:meth:`joined`), the request-steps measured before weigh ``1 -`` their share of it as
+    #: much, and at least this much (a batch of one: a new text, judged mostly on its own steps; in
+    #: bench/gate_sim.py's batch-1 runs a tenth came as close to each request's best length as a
+    #: fiftieth, which trusts a probe's four steps more, and closer than a half)
+    JOIN_KEEP = 0.1
+    #: requests joining at once that make up at least this share of the batch (one joining a batch
+    #: of 1 or 2) start a probe of the longest draft where the bucket holds no draft: the acceptance
+    #: that made it stop drafting was another text's (on the H100 at batch 1, Spec-Bench, a gate
+    #: that stopped drafting on one answer stayed plain through later ones the drafter suits)
+    JOIN_PROBE = 0.5
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
     NO_DRAFT_PROBE_WITHIN = 0.75
@@ -413,6 +442,32 @@ class DraftGate:
             if b.steps[first] < self.WARMUP:
                 return first
         return b.best()  # a leader whose cost is still interpolated is measured by taking it
+
+    def joined(self, batch: int, n: int) -> None:
+        """``n`` requests began generating (their prompts done) in a batch now of ``batch``.
+
+        The acceptance measured so far was other requests' text in part: it weighs ``1 - n / batch``
+        as much (at least :data:`JOIN_KEEP`), so the joined requests' own steps soon decide. Where
+        they make up at least :data:`JOIN_PROBE` of the batch and the bucket takes plain steps after
+        its first measurements, the longest draft is probed now (:data:`PROBE_STEPS` steps): a
+        plain regime measures no acceptance, and the one it was chosen on may be another text's.
+        """
+        if isinstance(batch, bool) or isinstance(n, bool) or not isinstance(batch, int) or not isinstance(n, int):
+            raise ValueError(f"batch and n must be ints, got {batch!r} and {n!r}")
+        if n < 1:
+            return
+        if batch < n:
+            raise ValueError(f"{n} requests cannot join a batch of {batch}")
+        share = n / batch
+        self._acceptance.scale(max(1.0 - share, self.JOIN_KEEP))
+        for b in self._buckets.values():  # their estimates weigh what follows more
+            b._best = None
+        b = self._buckets.get(bucket_of(batch))
+        if (b is None or share < self.JOIN_PROBE or b.probing is not None or self._next(b) != 0
+                or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
+            return
+        b.probing, b.probe_left = len(self.lengths) - 1, self.PROBE_STEPS
+        b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
 
     def draft_length(self, batch: int) -> int:
         """The most tokens each request of a step of ``batch`` generating requests drafts (0: none)."""
@@ -495,13 +550,14 @@ class DraftGate:
                     b.probing, b.probe_left = want, self.PROBE_STEPS
 
     def _due_probe(self, b: _Bucket, run: int, run_s: float, n: int) -> int | None:
-        """The length (an index) the bucket's next probe measures, the longest and no draft in turn,
-        if one is due after ``run`` steps of the chosen length that took ``run_s`` seconds (``n``
+        """The length (an index) the bucket's next probe measures, the longest and no draft in turn
+        (the longest always where the bucket holds no draft), if one is due after ``run`` steps of the chosen length that took ``run_s`` seconds (``n``
         requests a step); ``None`` while none is: before :data:`PROBE_EVERY` steps, and until the
         probe's estimated time is at most :data:`PROBE_SHARE` of ``run_s`` and its estimated loss
         (that time, times how far its length's estimate is behind the chosen one's) at most
         :data:`PROBE_LOSS` of it."""
-        want = len(self.lengths) - 1 if b.probes % 2 == 0 else 0
+        longest = len(self.lengths) - 1
+        want = longest if b.probes % 2 == 0 or b.best() == 0 else 0  # holding no draft: no use probing it
         if run < self.PROBE_EVERY:
             return None
         probe_s = self.PROBE_STEPS * (b.step_cost(want) or 0.0) * n

@@ -497,6 +497,11 @@ class SpecEngine:
         if self._gate is not None and not plan.context:  # a prompt chunk's compute would swamp the comparison
             self._gate.record(batch, self._draft_cap, [max(0, len(o.new_token_ids) - 1) for o in outs],
                               time.perf_counter() - t0, ahead=ahead)
+        elif self._gate is not None:  # requests whose prompts finished generate from the next step: new text
+            prompts = {seq.req_id for seq in plan.context}
+            joined = sum(1 for o in outs if o.req_id in prompts and not o.finished)
+            if joined:
+                self._gate.joined(max(joined, len(self.scheduler.running)), joined)
         return outs
 
     def _undo_step(self) -> None:

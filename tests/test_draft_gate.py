@@ -130,6 +130,82 @@ def test_probes_follow_acceptance_that_rises():
     assert seq[-50:].count(8) >= 50 - P
 
 
+def _gate_holding_no_draft(batch: int) -> tuple[DraftGate, _Env]:
+    """A gate at ``batch`` that stopped drafting on text the drafter does not suit (acceptance 0.2 a
+    token; a drafting step 1.6x a plain one at batch 1, 1.8x at 32)."""
+    gate, env = DraftGate(8), _Env(p=0.2, fixed=0.006 if batch == 1 else 0.2, per_row=0.0001 if batch == 1 else 0.0015)
+    _drive(gate, 300, env, batch=batch)
+    assert gate.stats()[bucket_label(bucket_of(batch))]["draft_length"] == 0
+    return gate, env
+
+
+def test_a_request_joining_a_batch_of_one_is_probed_where_the_gate_holds_no_draft():
+    told, env = _gate_holding_no_draft(1)
+    untold, _ = _gate_holding_no_draft(1)
+    env.p = 0.9  # the next request: text the drafter suits, the longest draft 3.7x plain steps' rate
+    told.joined(1, 1)
+    seq = _drive(told, 40, env, batch=1)
+    assert seq[:P] == [8] * P and seq[-20:] == [8] * 20  # probed at once, then drafting
+    # not told, the gate carries the last request's acceptance: plain steps until a probe falls due
+    assert _drive(untold, 40, env, batch=1) == [0] * 40
+
+
+def test_a_request_joining_a_batch_of_one_judges_it_on_its_own_steps():
+    """Drafting on one request's text, then one the drafter does not suit: told of it, the gate
+    weighs the old acceptance a tenth (JOIN_KEEP) and stops drafting within 50 steps, where otherwise
+    the old text's steps outweigh the new one's for three times as long."""
+    runs = {}
+    for tell in (True, False):
+        gate, env = DraftGate(8), _Env(p=0.9, fixed=0.006, per_row=0.0001)
+        _drive(gate, 300, env, batch=1)
+        assert gate.stats()["1"]["draft_length"] == 8
+        env.p = 0.05
+        if tell:
+            gate.joined(1, 1)
+        seq = _drive(gate, 200, env, batch=1)
+        runs[tell] = seq.index(0) if 0 in seq else len(seq)
+    assert runs[True] <= 50 and runs[False] >= 3 * runs[True], runs
+
+
+def test_a_request_joining_a_large_batch_starts_no_probe_and_keeps_the_estimates():
+    gate, env = _gate_holding_no_draft(32)
+    before = gate.stats()["17-32"]
+    gate.joined(32, 1)
+    after = gate.stats()["17-32"]
+    assert after["accepted"] == pytest.approx(before["accepted"]) and after["draft_length"] == 0
+    assert _drive(gate, 20, env, batch=32) == [0] * 20  # a 32nd of the batch is new: no probe
+    gate.joined(32, 20)  # most of the batch at once (a generate's second wave): probed
+    assert _drive(gate, P, env, batch=32) == [8] * P
+
+
+def test_a_bucket_still_measuring_or_probing_is_not_probed_again_on_a_join():
+    gate, env = DraftGate(8), _Env(p=0.2, fixed=0.006, per_row=0.0001)
+    gate.joined(1, 1)  # nothing measured yet: the first measurements as usual
+    assert _drive(gate, 2 * W, env, batch=1) == [8] * W + [0] * W
+    gate.joined(4, 3)  # a bucket never seen: nothing to probe, nothing made
+    assert "3-4" not in gate.stats()
+
+
+@pytest.mark.parametrize("batch,n", [(1, 2), (0, 0), (True, 1), (2, 1.0), ("1", 1)])
+def test_joined_refuses_what_cannot_be_a_batch(batch, n):
+    gate = DraftGate(4)
+    if (batch, n) == (0, 0):
+        gate.joined(0, 0)  # nobody joined: nothing to do
+        return
+    with pytest.raises(ValueError):
+        gate.joined(batch, n)
+
+
+def test_a_gate_holding_no_draft_probes_only_the_longest():
+    """Probes alternate the longest draft and no draft; where no draft is what the gate holds, a probe
+    of it measures nothing new, and every probe is of the longest."""
+    gate, env = DraftGate(8), _Env(p=0.3, fixed=0.012, per_row=0.0001)  # drafts at 65 % of plain steps' rate
+    seq = _drive(gate, 3000, env, batch=1)
+    assert gate.stats()["1"]["draft_length"] == 0
+    runs = [k for k in range(2 * W + 1, len(seq)) if seq[k] and not seq[k - 1]]  # a probe begins
+    assert len(runs) >= 6 and gate.stats()["1"]["probes"] <= len(runs) + 1
+
+
 def test_no_draft_far_behind_is_not_probed_and_comes_back_when_drafts_stop_paying():
     gate = DraftGate(8)
     env = _Env(p=0.9, fixed=0.001, per_row=0.0002)  # drafting pays about 4x
@@ -245,6 +321,17 @@ def test_the_engine_s_gate_keeps_the_steps_it_measured(tiny):
     # every generation step is measured (the prompt steps are not)
     assert len(hist) == engine.timings["steps"] - 1
     assert SpecEngine(tiny, _Slow()).draft_gate is None
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_the_engine_tells_its_gate_of_each_request_that_begins_generating(tiny, max_num_seqs):
+    engine = SpecEngine(tiny, _Slow(), max_num_seqs=max_num_seqs, draft_gate=True)
+    calls, real = [], engine.draft_gate.joined
+    engine.draft_gate.joined = lambda batch, n: (calls.append((batch, n)), real(batch, n))
+    engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, ignore_eos=True), chat=False)
+    assert sum(n for _, n in calls) == 3 and all(1 <= n <= batch <= max_num_seqs for batch, n in calls)
+    if max_num_seqs == 1:  # one at a time: each the whole batch
+        assert calls == [(1, 1)] * 3
 
 
 def test_the_standard_error_of_accepted_tokens_follows_their_spread_and_count():
@@ -752,9 +839,16 @@ def test_the_gate_simulation_bench_runs(tmp_path):
     import json
 
     sim = GATE_SIM
-    assert sim.main(["--cases", "2", "--steps", "150", "--seed", "3", "--out", str(tmp_path)]) == 0
+    assert sim.main(["--cases", "2", "--steps", "150", "--seed", "3", "--request-cases", "2",
+                     "--out", str(tmp_path)]) == 0
     table = (tmp_path / "gate_sim.md").read_text()
     assert table.count("| broad (2) |") == 2 and table.count("| near (2) |") == 2
+    assert "| not told of new requests |" in table and "| told (JOIN_KEEP 0.1, the default) |" in table
     data = json.loads((tmp_path / "gate_sim.json").read_text())
-    assert all(len(r) == 2 and all(0 < x <= 1.5 for x in r) for r in data["ratios"].values())
+    fixed = {k: r for k, r in data["ratios"].items() if not k.startswith("requests/")}
+    runs = {k: r for k, r in data["ratios"].items() if k.startswith("requests/")}
+    assert len(fixed) == 4 and all(len(r) == 2 and all(0 < x <= 1.5 for x in r) for r in fixed.values())
+    # per run: over the best fixed length (may beat it: requests differ), over each request's best (<= 1)
+    assert len(runs) == 4 and all(len(r) == 2 and all(0 < a <= 2 and 0 < b <= 1.0001 for a, b in r)
+                                  for r in runs.values())
     assert DraftGate.OPTIMISM == 0.5  # each case builds its gate with its own optimism; the default stays
