@@ -69,8 +69,8 @@ engine that declines half of them or more is priced at the unchained cost alone.
 
 How much of a draft is accepted is a matter of the text, which changes with the requests: when
 requests join the batch (:meth:`DraftGate.joined`, told by the engine as their prompts finish), the
-acceptance measured before weighs their share of the batch less, and where they make up half of it
-or more (a batch of 1 or 2) a bucket that holds no draft probes the longest at once. At batch 1 a
+acceptance measured before weighs their share of the batch less, and where one or two make up half
+of it or more (a batch of 1 to 4) a bucket that holds no draft probes the longest at once. At batch 1 a
 request's text is the whole batch: a gate that stopped drafting on one answer would otherwise carry
 that answer's acceptance into the next, and wait a probe's interval to see it.
 
@@ -386,10 +386,11 @@ class DraftGate:
     #: bench/gate_sim.py's batch-1 runs a tenth came as close to each request's best length as a
     #: fiftieth, which trusts a probe's four steps more, and closer than a half)
     JOIN_KEEP = 0.1
-    #: requests joining at once that make up at least this share of the batch (one joining a batch
-    #: of 1 or 2) start a probe of the longest draft where the bucket holds no draft: the acceptance
-    #: that made it stop drafting was another text's (on the H100 at batch 1, Spec-Bench, a gate
-    #: that stopped drafting on one answer stayed plain through later ones the drafter suits)
+    #: one or two requests joining at once that make up at least this share of the batch (a batch of
+    #: 1 to 4) start a probe of the longest draft where the bucket holds no draft: the acceptance that
+    #: made it stop drafting was another text's (on the H100 at batch 1, Spec-Bench, a gate that
+    #: stopped drafting on one answer stayed plain through later ones the drafter suits). More
+    #: requests' acceptance averages over their texts, as the last ones' did: no probe
     JOIN_PROBE = 0.5
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
@@ -448,9 +449,10 @@ class DraftGate:
 
         The acceptance measured so far was other requests' text in part: it weighs ``1 - n / batch``
         as much (at least :data:`JOIN_KEEP`), so the joined requests' own steps soon decide. Where
-        they make up at least :data:`JOIN_PROBE` of the batch and the bucket takes plain steps after
-        its first measurements, the longest draft is probed now (:data:`PROBE_STEPS` steps): a
-        plain regime measures no acceptance, and the one it was chosen on may be another text's.
+        they are one or two and make up at least :data:`JOIN_PROBE` of the batch, and the bucket
+        takes plain steps after its first measurements, the longest draft is probed now
+        (:data:`PROBE_STEPS` steps): a plain regime measures no acceptance, and the one it was chosen
+        on may be another text's.
         """
         if isinstance(batch, bool) or isinstance(n, bool) or not isinstance(batch, int) or not isinstance(n, int):
             raise ValueError(f"batch and n must be ints, got {batch!r} and {n!r}")
@@ -463,7 +465,7 @@ class DraftGate:
         for b in self._buckets.values():  # their estimates weigh what follows more
             b._best = None
         b = self._buckets.get(bucket_of(batch))
-        if (b is None or share < self.JOIN_PROBE or b.probing is not None or self._next(b) != 0
+        if (b is None or n > 2 or share < self.JOIN_PROBE or b.probing is not None or self._next(b) != 0
                 or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
             return
         b.probing, b.probe_left = len(self.lengths) - 1, self.PROBE_STEPS

@@ -174,8 +174,11 @@ def test_a_request_joining_a_large_batch_starts_no_probe_and_keeps_the_estimates
     after = gate.stats()["17-32"]
     assert after["accepted"] == pytest.approx(before["accepted"]) and after["draft_length"] == 0
     assert _drive(gate, 20, env, batch=32) == [0] * 20  # a 32nd of the batch is new: no probe
-    gate.joined(32, 20)  # most of the batch at once (a generate's second wave): probed
-    assert _drive(gate, P, env, batch=32) == [8] * P
+    gate.joined(32, 20)  # most of the batch at once: their acceptance averages as the last twenty's did
+    assert _drive(gate, 20, env, batch=32) == [0] * 20
+    small, env = _gate_holding_no_draft(4)
+    small.joined(4, 2)  # two of a batch of four
+    assert _drive(small, P, env, batch=4) == [8] * P
 
 
 def test_a_bucket_still_measuring_or_probing_is_not_probed_again_on_a_join():
