@@ -17,7 +17,12 @@ tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per 
 
 - ``c(L)``, a step's seconds per request at length ``L``: the mean of its last
   :data:`~DraftGate.WINDOW` measured steps, without those over :data:`~DraftGate.OUTLIER` times
-  their median (a one-off compile or capture; :data:`~DraftGate.PLAIN_OUTLIER` for plain steps). A length not measured yet is interpolated from the measured ones
+  their median (a one-off compile or capture; :data:`~DraftGate.PLAIN_OUTLIER` for plain steps),
+  each moved to the batch being decided: a bucket spans up to 2x in batch, and a step's time grows
+  as ``batch ** e`` with ``e`` fitted from this bucket's and a neighbour's steps (0 to 1; 1, seconds
+  per request as measured, until two buckets have measured). On a GPU ``e`` is 0.1-0.5: plain steps
+  of 17 requests, taken as a generate's batch shrank, cost nearly twice as much per request as at
+  32, and priced as measured they lost to drafting steps measured at 32 that they beat there. A length not measured yet is interpolated from the measured ones
   around it (a step's cost grows about linearly with its rows), so only lengths that could win are
   measured.
 - ``A(L)``, the drafted tokens a request gets accepted with at most ``L`` drafted, as a sum of
@@ -203,15 +208,22 @@ class _Acceptance:
 class _Bucket:
     """One batch-size bucket's measurements, per length (an index into the gate's lengths)."""
 
-    def __init__(self, lengths: tuple[int, ...], start: int, acceptance: _Acceptance, optimism: float) -> None:
+    def __init__(self, lengths: tuple[int, ...], start: int, acceptance: _Acceptance, optimism: float,
+                 exponent=None) -> None:
         self.lengths = lengths
         self.optimism = optimism  # standard errors added to accepted tokens where the gate chooses
         self.cost = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # seconds per request of each step
+        self.cost_batch = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # and its requests
+        # the batch the bucket's estimates are for (the step being decided), and how a length's step
+        # time grows with the batch (DraftGate._exponent: t ~ batch ** e; 1 where unknown)
+        self.batch: int | None = None
+        self.exponent = exponent or (lambda i: 1.0)
         # plain steps launched ahead of the last (chained: their host work hides behind the GPU's);
         # cost[0] holds the plain steps that were not (the first after a drafting step, or any where
         # the engine does not chain)
         self.chained = deque(maxlen=DraftGate.WINDOW)
-        self._chained_cost: float | None = None
+        self.chained_batch = deque(maxlen=DraftGate.WINDOW)
+        self._chained_cost: tuple | None = None  # (batch, exponent, cost) of the last chained_cost()
         # what became of the last plain steps the gate promised (DraftGate.plain_next): True, chained;
         # False, declined (an unchained plain step after one the gate would have promised: requests
         # waiting, a preemption, a request's last token). Their share prices a plain regime's steps
@@ -229,19 +241,53 @@ class _Bucket:
         self.probing: int | None = None  # the length a probe under way measures
         self.probe_left = 0  # its steps still to measure
         self.probes = 0
-        self._cost: list[float | None] = [None] * len(lengths)  # measured_cost, until the window changes
-        self._best: int | None = None  # best(), until the next measured step (of any bucket)
+        # measured_cost: (batch, exponent, cost), until the window changes
+        self._cost: list[tuple | None] = [None] * len(lengths)
+        self._best: int | None = None  # best(), until the next measured step (of any bucket) or batch
+        self._rates: dict[tuple[int, bool], float | None] = {}  # rate()'s, as long as _best
+        self._times: dict[tuple[int, bool], tuple | None] = {}  # step_time()'s, until the window changes
 
-    def measured(self, i: int, cost: float, ahead: bool = False) -> None:
-        """A step at length ``i`` cost ``cost`` seconds per request (``ahead``: a plain step launched
-        ahead of the last, chained): the caches are stale."""
+    def stale(self) -> None:
+        """Something the estimates read changed (a measured step, in any bucket; the batch)."""
+        self._best = None
+        self._rates.clear()
+
+    def at(self, batch: int) -> None:
+        """Estimate for steps of ``batch`` requests from now on."""
+        if batch != self.batch:
+            self.batch = batch
+            self.stale()
+
+    def _scaled(self, costs, batches, i: int) -> list[float]:
+        """Seconds per request of window steps, each moved to the bucket's batch: a step of ``b``
+        requests that took ``t`` takes ``t * (B / b) ** e`` at ``B`` (``e``: :attr:`exponent`), so
+        its cost per request is ``c * (b / B) ** (1 - e)``. Within a bucket (up to 2x in batch) a
+        latency-bound GPU step barely grows with the batch, and its seconds per request halve from
+        17 requests to 32: priced as measured, plain steps taken as the batch shrank (17) lose to
+        drafting steps measured at 32 that they beat there."""
+        B = self.batch
+        if B is None:
+            return list(costs)
+        k = 1.0 - self.exponent(i)
+        return [c * (b / B) ** k if b != B else c for c, b in zip(costs, batches)]
+
+    def measured(self, i: int, cost: float, ahead: bool = False, batch: int | None = None) -> None:
+        """A step of ``batch`` requests (default: the bucket's) at length ``i`` cost ``cost`` seconds
+        per request (``ahead``: a plain step launched ahead of the last, chained): the caches are stale."""
+        batch = batch or self.batch or 1
         if i == 0 and ahead:
             self.chained.append(cost)
+            self.chained_batch.append(batch)
             self.promises.append(True)
-            self._chained_cost = self._best = None
+            self._chained_cost = None
+            self._times.clear()
+            self.stale()
         else:
             self.cost[i].append(cost)
-            self._cost[i] = self._best = None
+            self.cost_batch[i].append(batch)
+            self._cost[i] = None
+            self._times.clear()
+            self.stale()
             if i == 0 and self.would_promise:  # promised, yet not chained: the engine declined
                 self.promises.append(False)
 
@@ -256,25 +302,42 @@ class _Bucket:
         return bool(self.chained) and self.declined() < 0.5
 
     def chained_cost(self) -> float | None:
-        """Seconds per request of a chained plain step (the mean of its window, outliers left out as
-        in :meth:`measured_cost`); ``None`` before one."""
-        if self._chained_cost is None and self.chained:
-            cut = DraftGate.PLAIN_OUTLIER * statistics.median(self.chained)
-            kept = [c for c in self.chained if c <= cut]
-            self._chained_cost = sum(kept) / len(kept)
-        return self._chained_cost
+        """Seconds per request of a chained plain step at the bucket's batch (the mean of its window,
+        each step moved to the batch and outliers left out as in :meth:`measured_cost`); ``None``
+        before one."""
+        if not self.chained:
+            return None
+        key = (self.batch, self.exponent(0))
+        if self._chained_cost is None or self._chained_cost[:2] != key:
+            window = self._scaled(self.chained, self.chained_batch, 0)
+            cut = DraftGate.PLAIN_OUTLIER * statistics.median(window)
+            kept = [c for c in window if c <= cut]
+            self._chained_cost = (*key, sum(kept) / len(kept))
+        return self._chained_cost[2]
+
+    def step_time(self, i: int, chained: bool = False) -> tuple[float, float] | None:
+        """The median batch and median seconds of length ``i``'s measured steps (``chained``: the
+        chained plain ones), or ``None`` before any."""
+        key = (i, chained)
+        if key not in self._times:
+            costs, batches = (self.chained, self.chained_batch) if chained else (self.cost[i], self.cost_batch[i])
+            self._times[key] = (statistics.median(batches), statistics.median(c * b for c, b in zip(costs, batches))) \
+                if costs else None
+        return self._times[key]
 
     def measured_cost(self, i: int) -> float:
-        """The mean of length ``i``'s window, without the steps slower than :data:`DraftGate.OUTLIER`
+        """The mean of length ``i``'s window at the bucket's batch (:meth:`_scaled`), without the
+        steps slower than :data:`DraftGate.OUTLIER`
         times its median (a compile, a capture; :data:`DraftGate.PLAIN_OUTLIER` for plain steps).
         A mean, not a median: a drafter that often drafts nothing (the suffix drafter without a
         match) makes most steps plain-priced and the others dear, and both count."""
-        if self._cost[i] is None:
-            window = self.cost[i]
+        key = (self.batch, self.exponent(i))
+        if self._cost[i] is None or self._cost[i][:2] != key:
+            window = self._scaled(self.cost[i], self.cost_batch[i], i)
             cut = (DraftGate.PLAIN_OUTLIER if i == 0 else DraftGate.OUTLIER) * statistics.median(window)
             kept = [c for c in window if c <= cut]
-            self._cost[i] = sum(kept) / len(kept)
-        return self._cost[i]
+            self._cost[i] = (*key, sum(kept) / len(kept))
+        return self._cost[i][2]
 
     def step_cost(self, i: int) -> float | None:
         """Seconds per request of a step at length ``i``: measured, else interpolated (linearly in
@@ -300,6 +363,12 @@ class _Bucket:
         is unknown. No draft (``i = 0``): :meth:`plain_rate`. ``optimistic`` (what the choices read):
         ``A`` raised by the gate's ``optimism`` standard errors, so that a length known from a
         few request-steps (a batch of 1 probing it) is tried until its steps say otherwise."""
+        key = (i, optimistic)
+        if key not in self._rates:
+            self._rates[key] = self._rate(i, optimistic)
+        return self._rates[key]
+
+    def _rate(self, i: int, optimistic: bool) -> float | None:
         if i == 0:
             return self.plain_rate()
         c, a = self.step_cost(i), self.acceptance.mean(i)
@@ -410,6 +479,7 @@ class DraftGate:
         self.optimism = float(optimism)
         self.lengths = draft_lengths(max_draft)
         self._buckets: dict[int, _Bucket] = {}
+        self._exponents: dict[tuple[int, int], float] = {}  # _exponent's, until the next measured step
         self._acceptance = _Acceptance(self.lengths, 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE))
         #: the last measured steps (:class:`GateStep`), oldest first, once :meth:`keep_history` asked
         #: for them; ``None`` before
@@ -429,8 +499,45 @@ class DraftGate:
             measured = [k for k, m in self._buckets.items() if any(m.steps)]
             near = min(measured, key=lambda k: (abs(k - key), k), default=None)
             start = self._buckets[near].best() if near is not None else len(self.lengths) - 1
-            b = self._buckets[key] = _Bucket(self.lengths, start, self._acceptance, self.optimism)
+            b = self._buckets[key] = _Bucket(self.lengths, start, self._acceptance, self.optimism,
+                                             exponent=lambda i, key=key: self._exponent(key, i))
         return b
+
+    def _at(self, batch: int) -> _Bucket:
+        """The bucket of ``batch``, its estimates for steps of ``batch`` requests."""
+        b = self._bucket(bucket_of(batch))
+        b.at(batch)
+        return b
+
+    def _exponent(self, key: int, i: int) -> float:
+        """How length ``i``'s step time grows with the batch around bucket ``key``: ``e`` in
+        ``t ~ batch ** e`` (0 to 1), from the median steps of this bucket and a neighbour
+        (:meth:`_fit`); a drafting length measured in one bucket only takes no draft's; 1 (seconds
+        per request as measured) where neither is known. Kept until the next measured step."""
+        e = self._exponents.get((key, i))
+        if e is None:
+            fit = self._fit(key, i)
+            if fit is None and i:
+                fit = self._fit(key, 0)
+            e = self._exponents[(key, i)] = 1.0 if fit is None else fit
+        return e
+
+    def _fit(self, key: int, i: int) -> float | None:
+        """``log(t / t') / log(b / b')`` between bucket ``key``'s median step of length ``i`` and its
+        lower (else upper) neighbour's, clamped to 0..1; plain steps compare chained with chained
+        where both have them, else the unchained ones. ``None`` where no neighbour has that length."""
+        b = self._buckets.get(key)
+        if b is None:
+            return None
+        for k in (key - 1, key + 1):
+            n = self._buckets.get(k)
+            if n is None:
+                continue
+            for chained in ((True, False) if i == 0 else (False,)):
+                own, other = b.step_time(i, chained), n.step_time(i, chained)
+                if own and other and own[0] != other[0] and own[1] > 0 and other[1] > 0:
+                    return min(1.0, max(0.0, math.log(own[1] / other[1]) / math.log(own[0] / other[0])))
+        return None
 
     def _next(self, b: _Bucket) -> int:
         """The length the bucket's next step takes (an index)."""
@@ -463,7 +570,7 @@ class DraftGate:
         share = n / batch
         self._acceptance.scale(max(1.0 - share, self.JOIN_KEEP))
         for b in self._buckets.values():  # their estimates weigh what follows more
-            b._best = None
+            b.stale()
         b = self._buckets.get(bucket_of(batch))
         if (b is None or n > 2 or share < self.JOIN_PROBE or b.probing is not None or self._next(b) != 0
                 or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
@@ -473,7 +580,7 @@ class DraftGate:
 
     def draft_length(self, batch: int) -> int:
         """The most tokens each request of a step of ``batch`` generating requests drafts (0: none)."""
-        return self.lengths[self._next(self._bucket(bucket_of(batch)))]
+        return self.lengths[self._next(self._at(batch))]
 
     def plain_next(self, batch: int) -> bool:
         """Whether the step after the current one, of ``batch`` requests, will be plain too (no
@@ -492,7 +599,7 @@ class DraftGate:
         A yes is remembered until the current step is recorded: a probe that falls due then waits
         one step (the promised one), and this method says no on that step, so the probe starts
         after it."""
-        b = self._bucket(bucket_of(batch))
+        b = self._at(batch)
         b.promised = self._plain_next(b, batch)
         return b.promised
 
@@ -522,18 +629,19 @@ class DraftGate:
         cost is kept apart, see :meth:`_Bucket.plain_rate`)."""
         if not seconds > 0 or length not in self.lengths or not accepted:
             return
-        b = self._bucket(bucket_of(batch))
+        b = self._at(batch)
         i = self.lengths.index(length)
         # what an overlapped engine heard during this step (needed only to see it decline a chain)
         would = i == 0 and bool(b.chained) and self._plain_next(b, batch)
         promised, b.promised = b.promised, False
         b.steps[i] += 1
         b.chained_steps += ahead and i == 0
-        b.measured(i, seconds / len(accepted), ahead and i == 0)
+        b.measured(i, seconds / len(accepted), ahead and i == 0, len(accepted))
+        self._exponents.clear()
         b.would_promise = would
         self._acceptance.add(i, accepted)
         for other in self._buckets.values():  # every bucket's estimates read the new acceptance
-            other._best = None
+            other.stale()
         if self.history is not None:
             self.history.append(GateStep(batch, length, bool(ahead and i == 0), seconds, sum(accepted),
                                          self.lengths[b.best()]))
