@@ -37,6 +37,8 @@
 #                                       # propose ms at batch 1, 8, 32 and e2e at batch 1 and 32
 #   bash bench/drafter_round.sh ring    # the staging ring: its GPU tests, e2e at batch 32 (null, DFlash, + gate, the plain
 #                                       # regime) here and in a baseline tree (BASE, carried), then batch 1 here
+#   bash bench/drafter_round.sh gatecheck # the gate at batch 1 on Spec-Bench 0-79 and at batch 32 on HumanEval (3 runs),
+#                                         # here and in a baseline tree (BASE, carried)
 #   bash bench/drafter_round.sh gatesb32 # the gate at batch 32 on Spec-Bench 0-239: null, the plain regime, DFlash + gate,
 #                                       # then null and DFlash + gate in a baseline tree (BASE, carried)
 #   bash bench/drafter_round.sh devdrafts # drafts left on the device (+devdrafts): its GPU test, then e2e at batch 1
@@ -174,6 +176,23 @@ for part in "$@"; do
         --problems 0-5,10-15,20-25,30-35,40-45,50-55,60-65,70-75,80-85,160-165,240-245,320-325,400-405 \
         --max-new-tokens 256 --batch-sizes 1,8,32 --drafters null,suffix,suffix+gate,dflash+nogate,dflash --skip-hf \
         --out "$OUT/e2e_gate_specbench" 2>&1 | grep "^|\|draft gate" ;;
+    gatecheck)  # the gate where it lost: Spec-Bench 0-79 at batch 1 (answers whose acceptance differs: DraftGate.joined)
+                # and HumanEval 100-163 at batch 32, three runs (steps priced at the batch decided), here and in
+                # BASE's tree (default .baseline, carried: a git archive of an earlier commit, as for ring)
+      base=${BASE:-.baseline}
+      sb1="bench/e2e.py --device cuda --dtype bfloat16 --spec-bench .evaldata/question.jsonl --problems 0-79
+        --max-new-tokens 256 --skip-hf --batch-sizes 1 --gate-history"
+      he32="bench/e2e.py --device cuda --dtype bfloat16 --problems 100-163 --max-new-tokens 256 --skip-hf
+        --batch-sizes 32 --repeat 3 --gate-history"
+      timeout 150 python $sb1 --drafters null,dflash+nogate,dflash,dspark --out "$OUT/e2e_sb_b1" 2>&1 | grep "^| specdec"
+      timeout 150 python $he32 --drafters null,dflash,dflash+gate+plain --out "$OUT/e2e_he_b32" 2>&1 | grep "^| specdec"
+      mkdir -p "$base/specdec/drafters/checkpoints" "$base/.evaldata"
+      ln -sfn "$PWD"/specdec/drafters/checkpoints/smollm2-135m-d* "$base/specdec/drafters/checkpoints/"
+      cp .evaldata/question.jsonl "$base/.evaldata/"
+      (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 120 python $sb1 --drafters null,dflash,dspark \
+        --out "$OUT/e2e_sb_b1_base" 2>&1 | grep "^| specdec"
+       cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 100 python $he32 --drafters null,dflash \
+        --out "$OUT/e2e_he_b32_base" 2>&1 | grep "^| specdec") ;;
     gatesb32)  # the gate at batch 32 on Spec-Bench 0-239 (carried as .evaldata/question.jsonl): null, the plain regime
                # (DFlash behind a gate that never drafts: what its hooks cost), DFlash + gate, with an untimed
                # cProfile pass of each over its first $CPROFILE prompts (default 96: requests leaving and
