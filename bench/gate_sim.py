@@ -137,7 +137,8 @@ def run_batch_moves(case: dict, policy: str) -> float:
     model = LatencyModel(case["p"])
     gate = None
     if policy.startswith("gate"):
-        cls = DraftGate if policy == "gate" else type("Gate", (DraftGate,), {"_exponent": lambda self, key, i: 1.0})
+        as_measured = {"_exponent": lambda self, key, i: 1.0}
+        cls = DraftGate if policy == "gate" else type("Gate", (DraftGate,), as_measured)
         gate = cls(case["max_draft"])
     waiting, running = list(case["tokens"]), []
     tokens = seconds = 0.0
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
     runs = [draw_requests(rng) for _ in range(args.request_cases)]
     if runs:
         lines += ["", f"Batch 1, {args.request_cases} runs of 40 requests (each its own acceptance):", "",
-                  "| the gate | mean of the best fixed length | below 0.9x it | mean of the per-request best | worst of it |",
+                  "| the gate | mean of the best fixed length | below 0.9x it | mean of the per-request best "
+                  "| worst of it |",
                   "|---|---|---|---|---|"]
         for label, tell, keep in (("not told of new requests", False, None),
                                   (f"told (JOIN_KEEP {DraftGate.JOIN_KEEP:g}, the default)", True, None),

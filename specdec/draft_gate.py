@@ -22,7 +22,8 @@ tokens per second as ``(1 + A(L)) / c(L)`` (tokens per request over seconds per 
   as ``batch ** e`` with ``e`` fitted from this bucket's and a neighbour's steps (0 to 1; 1, seconds
   per request as measured, until two buckets have measured). On a GPU ``e`` is 0.1-0.5: plain steps
   of 17 requests, taken as a generate's batch shrank, cost nearly twice as much per request as at
-  32, and priced as measured they lost to drafting steps measured at 32 that they beat there. A length not measured yet is interpolated from the measured ones
+  32, and priced as measured they lost to drafting steps measured at 32 that they beat there.
+  A length not measured yet is interpolated from the measured ones
   around it (a step's cost grows about linearly with its rows), so only lengths that could win are
   measured.
 - ``A(L)``, the drafted tokens a request gets accepted with at most ``L`` drafted, as a sum of
@@ -661,7 +662,8 @@ class DraftGate:
 
     def _due_probe(self, b: _Bucket, run: int, run_s: float, n: int) -> int | None:
         """The length (an index) the bucket's next probe measures, the longest and no draft in turn
-        (the longest always where the bucket holds no draft), if one is due after ``run`` steps of the chosen length that took ``run_s`` seconds (``n``
+        (the longest always where the bucket holds no draft), if one is due after ``run`` steps of
+        the chosen length that took ``run_s`` seconds (``n``
         requests a step); ``None`` while none is: before :data:`PROBE_EVERY` steps, and until the
         probe's estimated time is at most :data:`PROBE_SHARE` of ``run_s`` and its estimated loss
         (that time, times how far its length's estimate is behind the chosen one's) at most

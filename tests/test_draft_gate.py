@@ -217,7 +217,8 @@ def test_steps_measured_as_the_batch_shrank_are_priced_at_the_batch_being_decide
     (the step time's growth with the batch from this bucket's and its neighbour's steps). Priced per
     request as measured, the gate drafts 4 tokens at 32 at 75 % of plain steps' rate."""
     runs = {}
-    for name, cls in (("moved", DraftGate), ("as measured", type("Gate", (DraftGate,), {"_exponent": lambda self, key, i: 1.0}))):
+    as_measured = type("Gate", (DraftGate,), {"_exponent": lambda self, key, i: 1.0})
+    for name, cls in (("moved", DraftGate), ("as measured", as_measured)):
         gate, env = cls(8), GATE_SIM.LatencyModel(0.6)
         _drive(gate, 200, env, batch=12)
         _drive(gate, 200, env, batch=32)
