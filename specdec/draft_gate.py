@@ -480,7 +480,9 @@ class DraftGate:
         self.optimism = float(optimism)
         self.lengths = draft_lengths(max_draft)
         self._buckets: dict[int, _Bucket] = {}
-        self._exponents: dict[tuple[int, int], float] = {}  # _exponent's, until the next measured step
+        # _exponent's: until a step is measured into a window not yet full, or every WINDOW steps
+        self._exponents: dict[tuple[int, int], float] = {}
+        self._recorded = 0  # measured steps
         self._acceptance = _Acceptance(self.lengths, 0.5 ** (1.0 / self.ACCEPT_HALF_LIFE))
         #: the last measured steps (:class:`GateStep`), oldest first, once :meth:`keep_history` asked
         #: for them; ``None`` before
@@ -514,7 +516,8 @@ class DraftGate:
         """How length ``i``'s step time grows with the batch around bucket ``key``: ``e`` in
         ``t ~ batch ** e`` (0 to 1), from the median steps of this bucket and a neighbour
         (:meth:`_fit`); a drafting length measured in one bucket only takes no draft's; 1 (seconds
-        per request as measured) where neither is known. Kept until the next measured step."""
+        per request as measured) where neither is known. Kept until a step is measured into a window
+        not yet full, or for :data:`WINDOW` steps."""
         e = self._exponents.get((key, i))
         if e is None:
             fit = self._fit(key, i)
@@ -638,7 +641,10 @@ class DraftGate:
         b.steps[i] += 1
         b.chained_steps += ahead and i == 0
         b.measured(i, seconds / len(accepted), ahead and i == 0, len(accepted))
-        self._exponents.clear()
+        self._recorded += 1
+        window = b.chained if ahead and i == 0 else b.cost[i]
+        if len(window) < self.WINDOW or self._recorded % self.WINDOW == 0:  # medians of full windows move slowly
+            self._exponents.clear()
         b.would_promise = would
         self._acceptance.add(i, accepted)
         for other in self._buckets.values():  # every bucket's estimates read the new acceptance
