@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     sets = {kind: [draw(rng, kind) for _ in range(args.cases)] for kind in ("broad", "near")}
     lines = [f"`python bench/gate_sim.py --cases {args.cases} --steps {args.steps} --seed {args.seed} "
-             f"--optimism {args.optimism}`", "",
+             f"--optimism {args.optimism} --request-cases {args.request_cases} --batch-cases {args.batch_cases}`", "",
              "| cases | optimism (standard errors) | below 0.9x the best | mean of best | worst |",
              "|---|---|---|---|---|"]
     results = {}
