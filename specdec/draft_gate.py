@@ -462,6 +462,8 @@ class DraftGate:
     #: stopped drafting on one answer stayed plain through later ones the drafter suits). More
     #: requests' acceptance averages over their texts, as the last ones' did: no probe
     JOIN_PROBE = 0.5
+    #: the most requests joining at once that start such a probe
+    JOIN_PROBE_REQUESTS = 2
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
     NO_DRAFT_PROBE_WITHIN = 0.75
@@ -560,10 +562,10 @@ class DraftGate:
 
         The acceptance measured so far was other requests' text in part: it weighs ``1 - n / batch``
         as much (at least :data:`JOIN_KEEP`), so the joined requests' own steps soon decide. Where
-        they are one or two and make up at least :data:`JOIN_PROBE` of the batch, and the bucket
-        takes plain steps after its first measurements, the longest draft is probed now
-        (:data:`PROBE_STEPS` steps): a plain regime measures no acceptance, and the one it was chosen
-        on may be another text's.
+        they are at most :data:`JOIN_PROBE_REQUESTS` and make up at least :data:`JOIN_PROBE` of the
+        batch, and the bucket takes plain steps after its first measurements, the longest draft is
+        probed now (:data:`PROBE_STEPS` steps): a plain regime measures no acceptance, and the one it
+        was chosen on may be another text's.
         """
         if isinstance(batch, bool) or isinstance(n, bool) or not isinstance(batch, int) or not isinstance(n, int):
             raise ValueError(f"batch and n must be ints, got {batch!r} and {n!r}")
@@ -576,8 +578,8 @@ class DraftGate:
         for b in self._buckets.values():  # their estimates weigh what follows more
             b.stale()
         b = self._buckets.get(bucket_of(batch))
-        if (b is None or n > 2 or share < self.JOIN_PROBE or b.probing is not None or self._next(b) != 0
-                or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
+        if (b is None or n > self.JOIN_PROBE_REQUESTS or share < self.JOIN_PROBE or b.probing is not None
+                or self._next(b) != 0 or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
             return
         b.probing, b.probe_left = len(self.lengths) - 1, self.PROBE_STEPS
         b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
