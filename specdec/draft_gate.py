@@ -173,14 +173,20 @@ class _Acceptance:
                 self.w2[j] += len(accepted)
 
     def scale(self, keep: float) -> None:
-        """Weigh every request-step so far ``keep`` times as much (their mean and standard error stay;
-        only what later steps weigh beside them grows)."""
+        """Weigh every request-step so far ``keep`` times as much, but each length's at least one
+        request-step's worth where it had that much (their means and standard errors stay; only what
+        later steps weigh beside them grows). The floor keeps a length measured only in probes known
+        through any number of joins (at batch 1, a tenth a join would forget it in nine)."""
         for j in range(1, len(self.lengths)):
-            self.sum[j] *= keep
-            self.n[j] *= keep
-            self.sq[j] *= keep
-            self.tot[j] *= keep
-            self.w2[j] *= keep * keep
+            n = self.n[j]
+            if n <= 0.0:
+                continue
+            f = max(keep, min(1.0, 1.0 / n))
+            self.sum[j] *= f
+            self.n[j] *= f
+            self.sq[j] *= f
+            self.tot[j] *= f
+            self.w2[j] *= f * f
 
     def mean(self, i: int) -> float | None:
         """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
@@ -224,7 +230,7 @@ class _Bucket:
         # the engine does not chain)
         self.chained = deque(maxlen=DraftGate.WINDOW)
         self.chained_batch = deque(maxlen=DraftGate.WINDOW)
-        self._chained_cost: tuple | None = None  # (batch, exponent, cost) of the last chained_cost()
+        self._chained_cost: tuple | None = None  # chained_cost's _window_cost, until the window changes
         # what became of the last plain steps the gate promised (DraftGate.plain_next): True, chained;
         # False, declined (an unchained plain step after one the gate would have promised: requests
         # waiting, a preemption, a request's last token). Their share prices a plain regime's steps
@@ -242,7 +248,7 @@ class _Bucket:
         self.probing: int | None = None  # the length a probe under way measures
         self.probe_left = 0  # its steps still to measure
         self.probes = 0
-        # measured_cost: (batch, exponent, cost), until the window changes
+        # measured_cost: _window_cost's (exponent, M, k), until the window changes
         self._cost: list[tuple | None] = [None] * len(lengths)
         self._best: int | None = None  # best(), until the next measured step (of any bucket) or batch
         self._rates: dict[tuple[int, bool], float | None] = {}  # rate()'s, as long as _best
@@ -259,18 +265,30 @@ class _Bucket:
             self.batch = batch
             self.stale()
 
-    def _scaled(self, costs, batches, i: int) -> list[float]:
-        """Seconds per request of window steps, each moved to the bucket's batch: a step of ``b``
-        requests that took ``t`` takes ``t * (B / b) ** e`` at ``B`` (``e``: :attr:`exponent`), so
-        its cost per request is ``c * (b / B) ** (1 - e)``. Within a bucket (up to 2x in batch) a
-        latency-bound GPU step barely grows with the batch, and its seconds per request halve from
-        17 requests to 32: priced as measured, plain steps taken as the batch shrank (17) lose to
-        drafting steps measured at 32 that they beat there."""
-        B = self.batch
-        if B is None:
-            return list(costs)
-        k = 1.0 - self.exponent(i)
-        return [c * (b / B) ** k if b != B else c for c, b in zip(costs, batches)]
+    def _window_cost(self, costs, batches, i: int, outlier: float, cached: tuple | None) -> tuple:
+        """The mean seconds per request of a window's steps, each moved to the bucket's batch, without
+        those over ``outlier`` times their median, as ``(exponent, M, k)`` with the cost ``M * B ** -k``
+        (reused from ``cached`` while the exponent is the same: a batch change costs one power).
+
+        A step of ``b`` requests that took ``t`` takes ``t * (B / b) ** e`` at ``B`` (``e``:
+        :attr:`exponent`), so its cost per request is ``c * (b / B) ** k`` with ``k = 1 - e``: the
+        same factor ``B ** -k`` for every step, so which are outliers does not depend on ``B``.
+        Within a bucket (up to 2x in batch) a latency-bound GPU step barely grows with the batch, and
+        its seconds per request halve from 17 requests to 32: priced as measured, plain steps taken
+        as the batch shrank (17) lose to drafting steps measured at 32 that they beat there."""
+        e = self.exponent(i)
+        if cached is not None and cached[0] == e:
+            return cached
+        k = 1.0 - e
+        moved = [c * b ** k for c, b in zip(costs, batches)]
+        cut = outlier * statistics.median(moved)
+        kept = [m for m in moved if m <= cut]
+        return e, sum(kept) / len(kept), k
+
+    def _at_batch(self, cost: tuple) -> float:
+        """A :meth:`_window_cost` at the bucket's batch (as measured before any batch is set)."""
+        _, m, k = cost
+        return m * (self.batch or 1) ** -k if k else m
 
     def measured(self, i: int, cost: float, ahead: bool = False, batch: int | None = None) -> None:
         """A step of ``batch`` requests (default: the bucket's) at length ``i`` cost ``cost`` seconds
@@ -308,13 +326,9 @@ class _Bucket:
         before one."""
         if not self.chained:
             return None
-        key = (self.batch, self.exponent(0))
-        if self._chained_cost is None or self._chained_cost[:2] != key:
-            window = self._scaled(self.chained, self.chained_batch, 0)
-            cut = DraftGate.PLAIN_OUTLIER * statistics.median(window)
-            kept = [c for c in window if c <= cut]
-            self._chained_cost = (*key, sum(kept) / len(kept))
-        return self._chained_cost[2]
+        self._chained_cost = self._window_cost(self.chained, self.chained_batch, 0, DraftGate.PLAIN_OUTLIER,
+                                               self._chained_cost)
+        return self._at_batch(self._chained_cost)
 
     def step_time(self, i: int, chained: bool = False) -> tuple[float, float] | None:
         """The median batch and median seconds of length ``i``'s measured steps (``chained``: the
@@ -327,18 +341,14 @@ class _Bucket:
         return self._times[key]
 
     def measured_cost(self, i: int) -> float:
-        """The mean of length ``i``'s window at the bucket's batch (:meth:`_scaled`), without the
+        """The mean of length ``i``'s window at the bucket's batch (:meth:`_window_cost`), without the
         steps slower than :data:`DraftGate.OUTLIER`
         times its median (a compile, a capture; :data:`DraftGate.PLAIN_OUTLIER` for plain steps).
         A mean, not a median: a drafter that often drafts nothing (the suffix drafter without a
         match) makes most steps plain-priced and the others dear, and both count."""
-        key = (self.batch, self.exponent(i))
-        if self._cost[i] is None or self._cost[i][:2] != key:
-            window = self._scaled(self.cost[i], self.cost_batch[i], i)
-            cut = (DraftGate.PLAIN_OUTLIER if i == 0 else DraftGate.OUTLIER) * statistics.median(window)
-            kept = [c for c in window if c <= cut]
-            self._cost[i] = (*key, sum(kept) / len(kept))
-        return self._cost[i][2]
+        self._cost[i] = self._window_cost(self.cost[i], self.cost_batch[i], i,
+                                          DraftGate.PLAIN_OUTLIER if i == 0 else DraftGate.OUTLIER, self._cost[i])
+        return self._at_batch(self._cost[i])
 
     def step_cost(self, i: int) -> float | None:
         """Seconds per request of a step at length ``i``: measured, else interpolated (linearly in
@@ -400,7 +410,7 @@ class _Bucket:
 
     def best(self) -> int:
         """The length with the highest estimated rate (the longer on a tie); ``start`` before any.
-        Computed once per measured step (the engine asks at every step)."""
+        Computed once per measured step or batch change (the engine asks at every step)."""
         if self._best is None:
             rates = [(r, i) for i in range(len(self.lengths)) if (r := self.rate(i)) is not None]
             self._best = max(rates)[1] if rates else self.start
@@ -440,7 +450,8 @@ class DraftGate:
     WARMUP = 4
     #: steps of the chosen length between two probes
     PROBE_EVERY = 96
-    #: steps each probe takes (the longest draft and no draft, in turn)
+    #: steps each probe takes (the longest draft and no draft, in turn; the longest only where the
+    #: bucket holds no draft, and on a join, :meth:`joined`)
     PROBE_STEPS = 4
     #: most of the time probes take: a probe waits until its steps' estimated time is at most this
     #: share of the time since the last (a slow length is probed less often)
@@ -464,6 +475,12 @@ class DraftGate:
     JOIN_PROBE = 0.5
     #: the most requests joining at once that start such a probe
     JOIN_PROBE_REQUESTS = 2
+    #: most of the time join probes take: one waits until its steps' estimated time is at most this
+    #: share of the plain steps' since the last probe (looser than :data:`PROBE_SHARE`, whose
+    #: probes come every 150-250 plain steps at batch 1 on the H100: most answers of 256 tokens
+    #: would have seen one shortly before they joined; a drafter that never pays, with short
+    #: requests, loses at most this share)
+    JOIN_PROBE_SHARE = 0.2
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
     NO_DRAFT_PROBE_WITHIN = 0.75
@@ -569,20 +586,34 @@ class DraftGate:
         """
         if isinstance(batch, bool) or isinstance(n, bool) or not isinstance(batch, int) or not isinstance(n, int):
             raise ValueError(f"batch and n must be ints, got {batch!r} and {n!r}")
-        if n < 1:
-            return
-        if batch < n:
+        if n < 0 or batch < n:
             raise ValueError(f"{n} requests cannot join a batch of {batch}")
+        if n == 0:
+            return
         share = n / batch
-        self._acceptance.scale(max(1.0 - share, self.JOIN_KEEP))
-        for b in self._buckets.values():  # their estimates weigh what follows more
-            b.stale()
+        self._acceptance.scale(max(1.0 - share, self.JOIN_KEEP))  # means and errors stay: no estimate moves
         b = self._buckets.get(bucket_of(batch))
         if (b is None or n > self.JOIN_PROBE_REQUESTS or share < self.JOIN_PROBE or b.probing is not None
-                or self._next(b) != 0 or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
+                or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
+            return
+        b.at(batch)
+        if self._next(b) != 0 or not self._join_probe_pays(b, batch):
             return
         b.probing, b.probe_left = len(self.lengths) - 1, self.PROBE_STEPS
         b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
+
+    def _join_probe_pays(self, b: _Bucket, batch: int) -> bool:
+        """Whether a probe of the longest draft on a join could pay: its length, every drafted token
+        accepted, beats the plain steps' estimate, and its steps' estimated time is at most
+        :data:`JOIN_PROBE_SHARE` of the plain steps' since the last probe (short requests, or a
+        propose that costs many plain steps, are probed less often)."""
+        longest = len(self.lengths) - 1
+        c, plain = b.step_cost(longest), b.rate(0)
+        if c is None or c <= 0 or plain is None:
+            return False
+        if (1 + self.lengths[longest]) / c <= plain:
+            return False
+        return self.PROBE_STEPS * c * batch <= self.JOIN_PROBE_SHARE * b.run_s
 
     def draft_length(self, batch: int) -> int:
         """The most tokens each request of a step of ``batch`` generating requests drafts (0: none)."""

@@ -498,8 +498,9 @@ class SpecEngine:
             self._gate.record(batch, self._draft_cap, [max(0, len(o.new_token_ids) - 1) for o in outs],
                               time.perf_counter() - t0, ahead=ahead)
         elif self._gate is not None:  # requests whose prompts finished generate from the next step: new text
-            prompts = {seq.req_id for seq in plan.context}
-            joined = sum(1 for o in outs if o.req_id in prompts and not o.finished)
+            prompts = {seq.req_id for seq in plan.context}  # (not a preempted one whose context was computed again)
+            joined = sum(1 for o in outs if o.req_id in prompts and not o.finished
+                         and self._seqs[o.req_id].num_output == len(o.new_token_ids))
             if joined:
                 self._gate.joined(max(joined, len(self.scheduler.running)), joined)
         return outs

@@ -139,15 +139,44 @@ def _gate_holding_no_draft(batch: int) -> tuple[DraftGate, _Env]:
     return gate, env
 
 
+def _plain_for(gate: DraftGate, env, seconds: float, batch: int = 1) -> None:
+    """Drive plain steps until they add up to ``seconds`` since the bucket's last probe."""
+    b = gate._buckets[bucket_of(batch)]
+    for _ in range(2000):
+        if b.run_s >= seconds:
+            return
+        assert _drive(gate, 1, env, batch=batch) == [0]
+    raise AssertionError("no plain run that long")
+
+
 def test_a_request_joining_a_batch_of_one_is_probed_where_the_gate_holds_no_draft():
-    told, env = _gate_holding_no_draft(1)
-    untold, _ = _gate_holding_no_draft(1)
+    gates = []
+    for _ in range(2):  # the same gate twice: told of the next request, and not
+        gate, env = _gate_holding_no_draft(1)
+        _plain_for(gate, env, 0.5)  # the probe's 4 steps (67 ms) come to under JOIN_PROBE_SHARE of it
+        gates.append(gate)
+    told, untold = gates
     env.p = 0.9  # the next request: text the drafter suits, the longest draft 3.7x plain steps' rate
     told.joined(1, 1)
     seq = _drive(told, 40, env, batch=1)
     assert seq[:P] == [8] * P and seq[-20:] == [8] * 20  # probed at once, then drafting
     # not told, the gate carries the last request's acceptance: plain steps until a probe falls due
     assert _drive(untold, 40, env, batch=1) == [0] * 40
+
+
+def test_a_join_probe_is_held_to_the_probes_budget_and_to_drafts_that_could_pay():
+    gate, env = _gate_holding_no_draft(1)
+    _plain_for(gate, env, 0.5)
+    gate.joined(1, 1)
+    assert _drive(gate, P + 20, env, batch=1)[:P] == [8] * P  # probed, then plain again (p = 0.2)
+    gate.joined(1, 1)  # the next request after 20 plain steps: its probe would take a third of their time
+    assert _drive(gate, 20, env, batch=1) == [0] * 20
+    dear = DraftGate(8)  # a propose that costs 50 plain steps: not even every token accepted would pay
+    denv = _Env(p=0.9, fixed=0.5, per_row=0.0001)
+    _drive(dear, 300, denv, batch=1)
+    _plain_for(dear, denv, 11.0)  # the probe's time (2 s) within JOIN_PROBE_SHARE: only what it could pay stops it
+    dear.joined(1, 1)
+    assert _drive(dear, 10, denv, batch=1) == [0] * 10
 
 
 def test_a_request_joining_a_batch_of_one_judges_it_on_its_own_steps():
@@ -177,19 +206,59 @@ def test_a_request_joining_a_large_batch_starts_no_probe_and_keeps_the_estimates
     gate.joined(32, 20)  # most of the batch at once: their acceptance averages as the last twenty's did
     assert _drive(gate, 20, env, batch=32) == [0] * 20
     small, env = _gate_holding_no_draft(4)
+    _plain_for(small, env, 6.0, batch=4)
     small.joined(4, 2)  # two of a batch of four
     assert _drive(small, P, env, batch=4) == [8] * P
 
 
-def test_a_bucket_still_measuring_or_probing_is_not_probed_again_on_a_join():
+def test_a_bucket_still_measuring_or_probing_or_drafting_is_not_probed_on_a_join():
     gate, env = DraftGate(8), _Env(p=0.2, fixed=0.006, per_row=0.0001)
     gate.joined(1, 1)  # nothing measured yet: the first measurements as usual
-    assert _drive(gate, 2 * W, env, batch=1) == [8] * W + [0] * W
+    assert _drive(gate, W + 2, env, batch=1) == [8] * W + [0] * 2
+    gate.joined(1, 1)  # mid-way through no draft's first measurement: it goes on
+    assert _drive(gate, W - 2, env, batch=1) == [0] * (W - 2)
     gate.joined(4, 3)  # a bucket never seen: nothing to probe, nothing made
     assert "3-4" not in gate.stats()
+    _plain_for(gate, env, 0.5)
+    gate.joined(1, 1)
+    assert _drive(gate, 2, env, batch=1) == [8, 8]
+    probes = gate._buckets[0].probes
+    gate.joined(1, 1)  # mid-probe: the probe runs its course, no second one
+    assert _drive(gate, P - 2, env, batch=1) == [8] * (P - 2)
+    assert gate._buckets[0].probing is None and gate._buckets[0].probes == probes
+    drafting, denv = DraftGate(8), _Env(p=0.9, fixed=0.006, per_row=0.0001)
+    _drive(drafting, 300, denv, batch=1)
+    before = drafting.stats()["1"]["steps"]
+    drafting.joined(1, 1)  # drafting already: no probe (its own steps measure the new text)
+    assert drafting._buckets[0].probing is None and drafting.stats()["1"]["steps"] == before
 
 
-@pytest.mark.parametrize("batch,n", [(1, 2), (0, 0), (True, 1), (2, 1.0), ("1", 1)])
+def test_a_length_measured_only_in_probes_stays_known_through_many_joins():
+    """Each join at batch 1 weighs what came before a tenth as much, but never a length below one
+    request-step's worth: a hundred short requests in a row leave every estimate as it was (a tenth
+    a join, it would be gone after nine, and the gate unable to price the longest draft)."""
+    gate, _ = _gate_holding_no_draft(1)
+    accepted = gate.stats()["1"]["accepted"]
+    for _ in range(100):
+        gate.joined(1, 1)
+    after = gate.stats()["1"]["accepted"]
+    assert after.keys() == accepted.keys() and after == pytest.approx(accepted, rel=1e-9)
+    assert min(gate._acceptance.n[1:]) >= 1.0 - 1e-9
+
+
+def test_a_bucket_s_costs_follow_the_batch_it_is_asked_about():
+    gate, env = DraftGate(8), GATE_SIM.LatencyModel(0.6)
+    _drive(gate, 200, env, batch=12)
+    _drive(gate, 200, env, batch=32)
+    b = gate._buckets[5]
+    at_32 = b.step_cost(0)
+    b.at(17)
+    at_17 = b.step_cost(0)
+    e = gate._exponent(5, 0)
+    assert at_17 == pytest.approx(at_32 * (32 / 17) ** (1 - e), rel=1e-9) and at_17 > 1.5 * at_32
+
+
+@pytest.mark.parametrize("batch,n", [(1, 2), (0, 0), (True, 1), (2, 1.0), ("1", 1), (4, -1)])
 def test_joined_refuses_what_cannot_be_a_batch(batch, n):
     gate = DraftGate(4)
     if (batch, n) == (0, 0):
