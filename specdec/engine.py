@@ -155,6 +155,7 @@ class SpecEngine:
         self.fault_stats = {"drafter_errors": 0, "invalid_drafts": 0}
         self._plan: StepPlan | None = None  # the plan of the step under way (undone if it fails)
         self._no_draft: set[str] = set()  # requests whose drafter state failed: decoded plainly to the end
+        self._joined = 0  # of the last committed step: requests that emitted their first tokens (DraftGate.joined)
         self._warned: set[str] = set()  # requests (or "" for the engine) already warned about
 
     def _default_num_pages(self, per_token: int) -> int:
@@ -497,12 +498,8 @@ class SpecEngine:
         if self._gate is not None and not plan.context:  # a prompt chunk's compute would swamp the comparison
             self._gate.record(batch, self._draft_cap, [max(0, len(o.new_token_ids) - 1) for o in outs],
                               time.perf_counter() - t0, ahead=ahead)
-        elif self._gate is not None:  # requests whose prompts finished generate from the next step: new text
-            prompts = {seq.req_id for seq in plan.context}  # (not a preempted one whose context was computed again)
-            joined = sum(1 for o in outs if o.req_id in prompts and not o.finished
-                         and self._seqs[o.req_id].num_output == len(o.new_token_ids))
-            if joined:
-                self._gate.joined(max(joined, len(self.scheduler.running)), joined)
+        if self._gate is not None and self._joined:  # requests that emitted their first tokens: new text
+            self._gate.joined(max(self._joined, len(self.scheduler.running)), self._joined)
         return outs
 
     def _undo_step(self) -> None:
@@ -828,6 +825,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         outs, spans, hidden = [], [], plan.result.hidden
         ahead = self.executor.ahead_ids()
+        self._joined = 0  # requests that emitted their first tokens and go on (not a preempted one's again)
         for i, (seq, d, toks) in enumerate(zip(plan.requests, plan.drafts, emitted)):
             seq.stats.target_steps += 1
             if i < len(plan.context) and not self.scheduler.prompt_done(plan, i):  # a chunk of a long prompt:
@@ -843,6 +841,7 @@ class SpecEngine:
             old_cached = seq.num_cached
             new = self._append(seq, toks)
             if seq.status is not Status.FINISHED:
+                self._joined += seq.num_output == len(new)
                 self.scheduler.commit(seq, ahead=seq.req_id in ahead)  # keep the slot a step launched ahead writes
                 if seq.req_id not in self._no_draft:  # a drafter that failed a request hears no more of it
                     if hidden is not None:  # only accepted positions reach the drafter's context

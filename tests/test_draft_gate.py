@@ -430,15 +430,32 @@ def test_the_engine_s_gate_keeps_the_steps_it_measured(tiny):
     assert SpecEngine(tiny, _Slow()).draft_gate is None
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 8])
-def test_the_engine_tells_its_gate_of_each_request_that_begins_generating(tiny, max_num_seqs):
-    engine = SpecEngine(tiny, _Slow(), max_num_seqs=max_num_seqs, draft_gate=True)
+@pytest.mark.parametrize("max_num_seqs,chunk,tokens", [(1, None, 6), (8, None, 6), (8, 4, 6), (8, None, 1)])
+def test_the_engine_tells_its_gate_of_each_request_that_begins_generating(tiny, max_num_seqs, chunk, tokens):
+    """Once per request as its prompt finishes (its last chunk where prompts are chunked); not for a
+    request whose only token came with its prompt (it never generates beside the others)."""
+    engine = SpecEngine(tiny, _Slow(), max_num_seqs=max_num_seqs, draft_gate=True, max_prefill_tokens=chunk)
     calls, real = [], engine.draft_gate.joined
     engine.draft_gate.joined = lambda batch, n: (calls.append((batch, n)), real(batch, n))
-    engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, ignore_eos=True), chat=False)
-    assert sum(n for _, n in calls) == 3 and all(1 <= n <= batch <= max_num_seqs for batch, n in calls)
+    engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=tokens, ignore_eos=True), chat=False)
+    assert sum(n for _, n in calls) == (3 if tokens > 1 else 0)
+    assert all(1 <= n <= batch <= max_num_seqs for batch, n in calls)
     if max_num_seqs == 1:  # one at a time: each the whole batch
         assert calls == [(1, 1)] * 3
+
+
+def test_a_preempted_request_computed_again_is_no_new_request_to_the_gate(tiny):
+    """A pool of 12 pages of 4 tokens cannot hold four requests of 40 tokens: the newest is preempted
+    and its context computed again when readmitted; its text is the same, so the gate hears of four
+    joins, one each."""
+    engine = SpecEngine(tiny, _Slow(), max_num_seqs=4, draft_gate=True, tokens_per_block=4, num_pages=12)
+    calls, real = [], engine.draft_gate.joined
+    engine.draft_gate.joined = lambda batch, n: (calls.append((batch, n)), real(batch, n))
+    plans, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    engine.generate(PROMPTS[:4], SamplingParams(max_new_tokens=32, ignore_eos=True), chat=False)
+    assert any(p.preempted for p in plans if p)  # the test can fail: preemptions happened
+    assert sum(n for _, n in calls) == 4
 
 
 def test_the_standard_error_of_accepted_tokens_follows_their_spread_and_count():
