@@ -74,9 +74,11 @@ request's last token, requests waiting, a preemption): a few declines barely mov
 engine that declines half of them or more is priced at the unchained cost alone.
 
 How much of a draft is accepted is a matter of the text, which changes with the requests: when
-requests join the batch (:meth:`DraftGate.joined`, told by the engine as their prompts finish), the
-acceptance measured before weighs their share of the batch less, and where one or two make up half
-of it or more (a batch of 1 to 4) a bucket that holds no draft probes the longest at once. At batch 1 a
+requests join the batch (:meth:`DraftGate.joined`, told by the engine as they emit their first
+tokens), the acceptance measured before weighs their share of the batch less, and where one or two
+make up half of it or more (a batch of 1 to 4) a bucket that holds no draft probes the longest at
+once (where it could pay, within :data:`~DraftGate.JOIN_PROBE_SHARE` of the plain time since the last
+probe). At batch 1 a
 request's text is the whole batch: a gate that stopped drafting on one answer would otherwise carry
 that answer's acceptance into the next, and wait a probe's interval to see it.
 
@@ -575,7 +577,7 @@ class DraftGate:
         return b.best()  # a leader whose cost is still interpolated is measured by taking it
 
     def joined(self, batch: int, n: int) -> None:
-        """``n`` requests began generating (their prompts done) in a batch now of ``batch``.
+        """``n`` requests began generating (their first tokens out) in a batch now of ``batch``.
 
         The acceptance measured so far was other requests' text in part: it weighs ``1 - n / batch``
         as much (at least :data:`JOIN_KEEP`), so the joined requests' own steps soon decide. Where
