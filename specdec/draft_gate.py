@@ -250,6 +250,8 @@ class _Bucket:
         self.probing: int | None = None  # the length a probe under way measures
         self.probe_left = 0  # its steps still to measure
         self.probes = 0
+        self.join_probe = False  # the probe under way was started by a join (DraftGate.joined)
+        self.join_misses = 0  # join probes in a row after which the bucket still held no draft
         # measured_cost: _window_cost's (exponent, M, k), until the window changes
         self._cost: list[tuple | None] = [None] * len(lengths)
         self._best: int | None = None  # best(), until the next measured step (of any bucket) or batch
@@ -480,8 +482,9 @@ class DraftGate:
     #: most of the time join probes take: one waits until its steps' estimated time is at most this
     #: share of the plain steps' since the last probe (looser than :data:`PROBE_SHARE`, whose
     #: probes come every 150-250 plain steps at batch 1 on the H100: most answers of 256 tokens
-    #: would have seen one shortly before they joined; a drafter that never pays, with short
-    #: requests, loses at most this share)
+    #: would have seen one shortly before they joined), halved for each join probe in a row that
+    #: left the bucket holding no draft, down to PROBE_SHARE: a drafter that suits no request's text
+    #: soon costs what regular probes do
     JOIN_PROBE_SHARE = 0.2
     #: no draft is probed only while its estimated tokens/s is at least this share of the chosen
     #: length's (far behind, its steps would only cost tokens: 4 of 96 at 40 % of the rate is 2.5 %)
@@ -601,21 +604,24 @@ class DraftGate:
         b.at(batch)
         if self._next(b) != 0 or not self._join_probe_pays(b, batch):
             return
-        b.probing, b.probe_left = len(self.lengths) - 1, self.PROBE_STEPS
+        b.probing, b.probe_left, b.join_probe = len(self.lengths) - 1, self.PROBE_STEPS, True
         b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
 
     def _join_probe_pays(self, b: _Bucket, batch: int) -> bool:
         """Whether a probe of the longest draft on a join could pay: its length, every drafted token
         accepted, beats the plain steps' estimate, and its steps' estimated time is at most
-        :data:`JOIN_PROBE_SHARE` of the plain steps' since the last probe (short requests, or a
-        propose that costs many plain steps, are probed less often)."""
+        :data:`JOIN_PROBE_SHARE` of the plain steps' since the last probe, halved for each join probe
+        in a row after which the bucket still held no draft, down to :data:`PROBE_SHARE` (short
+        requests, a propose that costs many plain steps, a drafter that suits no request's text are
+        probed less often)."""
         longest = len(self.lengths) - 1
         c, plain = b.step_cost(longest), b.rate(0)
         if c is None or c <= 0 or plain is None:
             return False
         if (1 + self.lengths[longest]) / c <= plain:
             return False
-        return self.PROBE_STEPS * c * batch <= self.JOIN_PROBE_SHARE * b.run_s
+        share = max(self.PROBE_SHARE, self.JOIN_PROBE_SHARE / 2 ** b.join_misses)
+        return self.PROBE_STEPS * c * batch <= share * b.run_s
 
     def draft_length(self, batch: int) -> int:
         """The most tokens each request of a step of ``batch`` generating requests drafts (0: none)."""
@@ -691,6 +697,9 @@ class DraftGate:
             b.probe_left -= 1
             if not b.probe_left:
                 b.probing = None
+                if b.join_probe:  # did the joined text make drafting pay?
+                    b.join_probe = False
+                    b.join_misses = 0 if b.best() != 0 else b.join_misses + 1
             return
         if self._next(b) == i:  # exploiting: count towards the next probe
             b.run += 1

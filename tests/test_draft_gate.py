@@ -211,6 +211,32 @@ def test_a_request_joining_a_large_batch_starts_no_probe_and_keeps_the_estimates
     assert _drive(small, P, env, batch=4) == [8] * P
 
 
+def test_join_probes_that_leave_the_gate_plain_come_less_often():
+    """A drafter that suits no request's text: each join probe that leaves the bucket holding no
+    draft halves the share of plain time the next may take (a fifth, a tenth, then PROBE_SHARE's
+    twentieth); one after which it drafts restores it."""
+    gate, env = _gate_holding_no_draft(1)
+    env.p = 0.02
+    b = gate._buckets[0]
+    for misses in range(3):
+        assert b.join_misses == misses
+        _plain_for(gate, env, 0.5)  # enough for a fifth (the probe: 67 ms), not for a tenth
+        gate.joined(1, 1)
+        probed = _drive(gate, P, env, batch=1) == [8] * P
+        assert probed == (misses == 0), misses
+        if not probed:
+            break
+        _drive(gate, 5, env, batch=1)
+    _plain_for(gate, env, 0.8)  # a tenth of this is over the probe's time
+    gate.joined(1, 1)
+    assert _drive(gate, P, env, batch=1) == [8] * P and b.join_misses == 2
+    env.p = 0.95  # a text the drafter suits: the next join probe makes it draft
+    _plain_for(gate, env, 1.4)
+    gate.joined(1, 1)
+    _drive(gate, P + 10, env, batch=1)
+    assert b.join_misses == 0 and gate.stats()["1"]["draft_length"] > 0
+
+
 def test_a_bucket_still_measuring_or_probing_or_drafting_is_not_probed_on_a_join():
     gate, env = DraftGate(8), _Env(p=0.2, fixed=0.006, per_row=0.0001)
     gate.joined(1, 1)  # nothing measured yet: the first measurements as usual
