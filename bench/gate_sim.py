@@ -106,6 +106,26 @@ def run_requests(case: dict, tell: bool, keep: float | None = None) -> tuple[flo
     return rate / (len(case["ps"]) * case["tokens"] / fixed_s), rate / (len(case["ps"]) * case["tokens"] / oracle_s)
 
 
+def run_unsuited(fixed: float, tokens: int, tell: bool, requests: int = 200) -> float:
+    """Batch 1, ``requests`` requests of ``tokens`` tokens, none of which the drafter suits (``p``
+    0.3; ``fixed``: the propose, 2 or 6 plain steps' worth): tokens/s over plain steps'."""
+    gate, model = DraftGate(8), Model(0.3, fixed, 0.0005)
+    tokens_out = seconds = 0.0
+    for _ in range(requests):
+        if tell:
+            gate.joined(1, 1)
+        left = tokens
+        while left > 0:
+            n = gate.draft_length(1)
+            acc = model.accepted(1, n)
+            s = model.seconds(1, n)
+            gate.record(1, n, acc, s)
+            left -= 1 + acc[0]
+            tokens_out += 1 + acc[0]
+            seconds += s
+    return tokens_out / seconds / model.rate(1, 0)
+
+
 def draw_requests(rng: random.Random) -> dict:
     """A batch-1 run of 40 requests: each accepts drafts at its own ``p`` (0.1-0.95), a drafting step
     costs 1.2-2.5x a plain one, 64-512 tokens a request."""
@@ -199,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--optimism", default=f"0,{DraftGate.OPTIMISM}", help="DraftGate(optimism=...) values compared, comma-separated")
     ap.add_argument("--request-cases", type=int, default=100,
                     help="batch-1 runs of 40 requests, each with its own acceptance (0: none)")
+    ap.add_argument("--unsuited-requests", type=int, default=200,
+                    help="requests of the batch-1 runs the drafter suits in none (with --request-cases)")
     ap.add_argument("--batch-cases", type=int, default=40,
                     help="generates of 96 requests whose batch fills and shrinks, latency-bound steps (0: none)")
     ap.add_argument("--out", default=None, help="folder for gate_sim.md / gate_sim.json")
@@ -234,6 +256,17 @@ def main(argv=None) -> int:
             fixed, oracle = [a for a, _ in pairs], [b for _, b in pairs]
             lines.append(f"| {label} | {statistics.mean(fixed):.4f} | {sum(r < 0.9 for r in fixed)} | "
                          f"{statistics.mean(oracle):.4f} | {min(oracle):.3f} |")
+            print(lines[-1], flush=True)
+    if args.request_cases:
+        lines += ["", f"Batch 1, {args.unsuited_requests} requests the drafter suits in none (acceptance 0.3 a token): "
+                  "tokens/s over "
+                  "plain steps', the gate told of new requests / not:", "",
+                  "| propose (plain steps) | 16 tokens a request | 64 | 256 |", "|---|---|---|---|"]
+        for fixed in (0.02, 0.06):
+            pairs = [(run_unsuited(fixed, t, True, args.unsuited_requests),
+                      run_unsuited(fixed, t, False, args.unsuited_requests)) for t in (16, 64, 256)]
+            results[f"unsuited/{fixed}"] = pairs
+            lines.append(f"| {fixed / 0.01:g} | " + " | ".join(f"{a:.3f} / {b:.3f}" for a, b in pairs) + " |")
             print(lines[-1], flush=True)
     moves = [draw_batch_moves(rng) for _ in range(args.batch_cases)]
     if moves:

@@ -990,7 +990,7 @@ def test_the_gate_simulation_bench_runs(tmp_path):
 
     sim = GATE_SIM
     assert sim.main(["--cases", "2", "--steps", "150", "--seed", "3", "--request-cases", "2", "--batch-cases", "2",
-                     "--out", str(tmp_path)]) == 0
+                     "--unsuited-requests", "3", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "gate_sim.md").read_text()
     assert table.count("| broad (2) |") == 2 and table.count("| near (2) |") == 2
     assert "| not told of new requests |" in table and "| told (JOIN_KEEP 0.1, the default) |" in table
@@ -999,6 +999,9 @@ def test_the_gate_simulation_bench_runs(tmp_path):
     moves = {k: r for k, r in data["ratios"].items() if k.startswith("batch_moves/")}
     assert len(moves) == 3 and all(len(r) == 2 and all(0 < x <= 1.0001 for x in r) for r in moves.values())
     assert "| gate |" in table and "| gate-per-request |" in table
+    unsuited = {k: r for k, r in data["ratios"].items() if k.startswith("unsuited/")}
+    assert len(unsuited) == 2 and all(len(r) == 3 and all(0 < a <= 1.01 and 0 < b <= 1.01 for a, b in r)
+                                      for r in unsuited.values())
     runs = {k: r for k, r in data["ratios"].items() if k.startswith("requests/")}
     assert len(fixed) == 4 and all(len(r) == 2 and all(0 < x <= 1.5 for x in r) for r in fixed.values())
     # per run: over the best fixed length (may beat it: requests differ), over each request's best (<= 1)
