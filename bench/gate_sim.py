@@ -87,17 +87,8 @@ def run_requests(case: dict, tell: bool, keep: float | None = None) -> tuple[flo
     fixed_by_length = [0.0] * len(gate.lengths)
     for p in case["ps"]:
         model.p = p
-        if tell:
-            gate.joined(1, 1)
-        left = case["tokens"]
-        while left > 0:
-            n = gate.draft_length(1)
-            acc = model.accepted(1, n)
-            s = model.seconds(1, n)
-            gate.record(1, n, acc, s)
-            left -= 1 + acc[0]
-            tokens += 1 + acc[0]
-            seconds += s
+        got, took = _one_request(gate, model, case["tokens"], tell)
+        tokens, seconds = tokens + got, seconds + took
         rates = [model.rate(1, n) for n in gate.lengths]
         fixed_by_length = [t + case["tokens"] / r for t, r in zip(fixed_by_length, rates)]
         oracle_s += case["tokens"] / max(rates)
@@ -110,20 +101,24 @@ def run_unsuited(fixed: float, tokens: int, tell: bool, requests: int = 200) -> 
     """Batch 1, ``requests`` requests of ``tokens`` tokens, none of which the drafter suits (``p``
     0.3; ``fixed``: the propose, 2 or 6 plain steps' worth): tokens/s over plain steps'."""
     gate, model = DraftGate(8), Model(0.3, fixed, 0.0005)
-    tokens_out = seconds = 0.0
-    for _ in range(requests):
-        if tell:
-            gate.joined(1, 1)
-        left = tokens
-        while left > 0:
-            n = gate.draft_length(1)
-            acc = model.accepted(1, n)
-            s = model.seconds(1, n)
-            gate.record(1, n, acc, s)
-            left -= 1 + acc[0]
-            tokens_out += 1 + acc[0]
-            seconds += s
-    return tokens_out / seconds / model.rate(1, 0)
+    runs = [_one_request(gate, model, tokens, tell) for _ in range(requests)]
+    return sum(t for t, _ in runs) / sum(s for _, s in runs) / model.rate(1, 0)
+
+
+def _one_request(gate: DraftGate, model: Model, tokens: int, tell: bool) -> tuple[int, float]:
+    """One request of at least ``tokens`` tokens at batch 1 behind ``gate`` (told of it as it joins,
+    ``tell``): the tokens its steps emitted and their seconds."""
+    if tell:
+        gate.joined(1, 1)
+    got, seconds = 0, 0.0
+    while got < tokens:
+        n = gate.draft_length(1)
+        acc = model.accepted(1, n)
+        s = model.seconds(1, n)
+        gate.record(1, n, acc, s)
+        got += 1 + acc[0]
+        seconds += s
+    return got, seconds
 
 
 def draw_requests(rng: random.Random) -> dict:
