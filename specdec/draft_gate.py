@@ -218,7 +218,7 @@ class _Bucket:
     """One batch-size bucket's measurements, per length (an index into the gate's lengths)."""
 
     def __init__(self, lengths: tuple[int, ...], start: int, acceptance: _Acceptance, optimism: float,
-                 exponent=None) -> None:
+                 exponent) -> None:
         self.lengths = lengths
         self.optimism = optimism  # standard errors added to accepted tokens where the gate chooses
         self.cost = [deque(maxlen=DraftGate.WINDOW) for _ in lengths]  # seconds per request of each step
@@ -226,7 +226,7 @@ class _Bucket:
         # the batch the bucket's estimates are for (the step being decided), and how a length's step
         # time grows with the batch (DraftGate._exponent: t ~ batch ** e; 1 where unknown)
         self.batch: int | None = None
-        self.exponent = exponent or (lambda i: 1.0)
+        self.exponent = exponent
         # plain steps launched ahead of the last (chained: their host work hides behind the GPU's);
         # cost[0] holds the plain steps that were not (the first after a drafting step, or any where
         # the engine does not chain)
@@ -294,10 +294,9 @@ class _Bucket:
         _, m, k = cost
         return m * (self.batch or 1) ** -k if k else m
 
-    def measured(self, i: int, cost: float, ahead: bool = False, batch: int | None = None) -> None:
-        """A step of ``batch`` requests (default: the bucket's) at length ``i`` cost ``cost`` seconds
-        per request (``ahead``: a plain step launched ahead of the last, chained): the caches are stale."""
-        batch = batch or self.batch or 1
+    def measured(self, i: int, cost: float, ahead: bool, batch: int) -> None:
+        """A step of ``batch`` requests at length ``i`` cost ``cost`` seconds per request (``ahead``: a
+        plain step launched ahead of the last, chained): the caches are stale."""
         if i == 0 and ahead:
             self.chained.append(cost)
             self.chained_batch.append(batch)
