@@ -36,9 +36,6 @@
 #                                      # data): name .evaldata in the call's carry
 #   bash bench/device_gpu.sh cutoffs   # the sort-free top-k / top-p cutoff kernel: its GPU tests (every path, vocab
 #                                      # 49152), then its settings swept on real logits (cutoff_sweep)
-#   bash bench/device_gpu.sh sampsplit # the cutoffs split over the vocabulary (the default where the argmax is given):
-#                                      # the sampling kernels' GPU tests, then sampling_profile's parts and end to end
-#                                      # beside one program a row (rows 16-288, bf16; needs .evaldata carried)
 #   bash bench/device_gpu.sh sampprofile # sampling_profile: sample_rows part by part (the cutoff kernel beside the
 #                                      # sort), end to end (needs .evaldata carried); then 'sampling' for the table
 #   bash bench/device_gpu.sh nullcompile # null at batch 8 before and after a compiled DSpark in one process: timers,
@@ -83,12 +80,6 @@ for part in "$@"; do
         --suffix-corpus bench/results/smollm2_fp32_humaneval_0-99.json --skip-hf ${CPROFILE:+--cprofile $CPROFILE} \
         --out "$OUT/e2e_pgoverlap" 2>&1 \
         | grep "^|" ;;
-    sampsplit)  # the sampling cutoffs split over the vocabulary: their GPU tests, then each part of sample_rows and
-                # end to end (null, suffix at batch 32, half sampled) beside the cutoffs of one program a row
-      timeout 150 python -m pytest tests/test_sampling_kernel.py -m gpu -p no:cacheprovider -rs -o addopts= 2>&1 \
-        | tail -8 | tee "$OUT/gpu_tests_sampling.txt"
-      timeout 200 python bench/sampling_profile.py --device cuda --spec-bench .evaldata/question.jsonl \
-        --rows 16,32,144,288 --dtypes bfloat16 --iters 10 --out "$OUT/sampling_profile" 2>&1 | grep -E "^\||rror" ;;
     sampling)  # sampled and greedy requests in one batch (issue 16's acceptance); .evaldata must be carried
       timeout 220 python bench/sampling_mix.py --spec-bench .evaldata/question.jsonl --batch-size 32 --num-prompts 32 \
         --max-new-tokens 256 --device cuda --dtype bfloat16 ${REPEAT:+--repeat $REPEAT} ${IGNORE_EOS:+--ignore-eos} \
