@@ -27,11 +27,9 @@ where the column says host):
                  row_cutoffs ran it before: 128 rows or more take cub's segmented sort on CUDA)
   sort chunked   the same sort as row_cutoffs runs it now (at most 127 rows a call; same result)
   row_cutoffs    the torch reference's top-p cutoffs in all (sort, fixed-point masses, gathers)
-  cutoff kernel  the sort-free Triton cutoffs (specdec.sampling_kernel.row_cutoffs) as sample_rows
-                 calls them on CUDA (the rows' argmax given: the split path), steady state ("1st":
-                 its first call, compilation included), and whether they keep exactly the
-                 reference's tokens
-  cutoff one program  the same cutoffs, one program a row (split=False), the argmax given
+  cutoff kernel  the sort-free Triton cutoffs (specdec.sampling_kernel.row_cutoffs) that sample_rows
+                 uses on CUDA, steady state ("1st": its first call, compilation included), and
+                 whether they keep exactly the reference's tokens
   kernel 1st     the Triton kernel's first call at this row count (compilation included, CUDA only)
   kernel         the Triton kernel, steady state (CUDA only)
   torch path     the torch reference from the cutoffs: mask, Gumbel noise, argmax
@@ -43,9 +41,8 @@ plus a torch.profiler table of ``--profile-calls`` sample_rows calls at the larg
 Part 2, end to end: a SpecEngine per drafter of ``--drafters`` (default null, suffix) on
 ``--batch-size`` prompts (random token ids, ``--prompt-len`` long; or Spec-Bench first turns with
 ``--spec-bench``) with every other request sampled (temperature 0.8, top-p 0.95, seed = index),
-timed after an untimed first pass, once with the sampled path as is, once with the cutoffs of
-one program a row (``row_cutoffs(..., split=False)``) and once with the torch reference
-(``specdec.sampling.USE_KERNEL = False``), and all-greedy for the baseline: ms per step
+timed after an untimed first pass, once with the sampled path as is and once with the torch
+reference (``specdec.sampling.USE_KERNEL = False``), and all-greedy for the baseline: ms per step
 and engine.timings' parts per step (forward, draft, verify, host). Target: SmolLM2-135M (``--target``), or with ``--quick`` a
 random 2-layer Llama of the same vocabulary on the CPU.
 
@@ -55,7 +52,6 @@ Writes ``sampling_profile.md`` and ``.json`` to ``--out`` (a folder).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -164,16 +160,11 @@ def micro(n_sampled: int, dtype: torch.dtype, limits: str, args, dev: torch.devi
             top_k = torch.tensor(sampling.top_k, device=dev)
             top_p = torch.tensor(sampling.top_p, dtype=torch.float32, device=dev)
 
-            top = logits.argmax(dim=-1)
-
-            def cutoffs(split=None):
-                return sk.row_cutoffs(logits, rows, temp, top_k, top_p, top, split=split)
+            def cutoffs():
+                return sk.row_cutoffs(logits, rows, temp, top_k, top_p)
 
             out["cutoff_kernel_first_ms"] = timed(cutoffs, dev, 1, warm=False)
             out["cutoff_kernel_ms"] = timed(cutoffs, dev, it)
-            out["cutoff_one_program_ms"] = timed(lambda: cutoffs(False), dev, it)
-            one = cutoffs(False)
-            out["cutoff_split_equals_one_program"] = all(torch.equal(a, b) for a, b in zip(cutoffs(), one))
             out["cutoff_kernel_keeps_the_reference"] = bool(torch.equal(
                 torch.isfinite(smp.apply_cutoffs(z, cutoffs())), torch.isfinite(smp.apply_cutoffs(z, cut))))
 
@@ -241,12 +232,7 @@ def e2e(target, drafter: str, mix: str, kernel: bool | None, prompts, max_kv_len
     kwargs = {"max_draft_tokens": args.k} if drafter == "suffix" else {}
     engine = SpecEngine(target, make_drafter(drafter, **kwargs), max_draft_tokens=args.k, max_num_seqs=n,
                         draft_gate=False)  # every step drafts: sampled verify is measured
-    saved, smp.USE_KERNEL = smp.USE_KERNEL, None if kernel == "one program" else kernel
-    if kernel == "one program":
-        from specdec import sampling_kernel as sk
-
-        split_cutoffs = sk.row_cutoffs
-        sk.row_cutoffs = functools.partial(split_cutoffs, split=False)
+    saved, smp.USE_KERNEL = smp.USE_KERNEL, kernel
     try:
         if hasattr(engine, "capture_graphs") and target.device.type == "cuda":
             engine.capture_graphs(max_kv_len=max_kv_len, progress=False)
@@ -260,13 +246,10 @@ def e2e(target, drafter: str, mix: str, kernel: bool | None, prompts, max_kv_len
         timings = dict(engine.timings)
     finally:
         smp.USE_KERNEL = saved
-        if kernel == "one program":
-            sk.row_cutoffs = split_cutoffs
         if hasattr(engine, "close"):
             engine.close()
     steps = max(1, timings["steps"])
-    return {"drafter": drafter, "mix": mix, "path": {None: "as is", "one program": "cutoffs one program a row",
-                                                   False: "torch (USE_KERNEL=False)"}[kernel],
+    return {"drafter": drafter, "mix": mix, "path": {None: "as is", False: "torch (USE_KERNEL=False)"}[kernel],
             "steps": timings["steps"], "ms_per_step": 1e3 * wall / steps,
             "forward_ms_per_step": 1e3 * timings["forward_s"] / steps,
             "draft_ms_per_step": 1e3 * timings.get("draft_s", 0.0) / steps,
@@ -343,7 +326,7 @@ def main() -> None:
             longest = max(len(p) for p in prompts)
         max_kv_len = longest + args.max_new_tokens + args.k + 1
         for drafter in args.drafters.split(","):
-            for mix, kernel in (("greedy", None), ("half", None), ("half", "one program"), ("half", False)):
+            for mix, kernel in (("greedy", None), ("half", None), ("half", False)):
                 print(f"e2e: {drafter} {mix} {kernel} ...", file=sys.stderr, flush=True)
                 e2e_res.append(e2e(target, drafter, mix, kernel, prompts, max_kv_len, args))
 
@@ -353,7 +336,7 @@ def main() -> None:
                         f"batch {args.batch_size}, {args.max_new_tokens} new tokens, k {args.k}")
     cols = ["rows", "dtype", "limits", "h2d_host_ms", "h2d_behind_busy_host_ms", "h2d_pageable_behind_busy_host_ms",
             "scale_ms", "sort_ms", "sort_chunked_ms", "row_cutoffs_ms", "cutoff_kernel_first_ms", "cutoff_kernel_ms",
-            "cutoff_kernel_keeps_the_reference", "cutoff_one_program_ms", "cutoff_split_equals_one_program", "kernel_first_ms",
+            "cutoff_kernel_keeps_the_reference", "kernel_first_ms",
             "kernel_ms", "torch_path_ms", "sample_rows_host_ms", "sample_rows_ms", "kernel_equals_torch"]
     md = [header, "", "## sample_rows, part by part (ms)", "",
           "| " + " | ".join(c.removesuffix("_ms").replace("_", " ") + (" (host)" if "host" in c else "")

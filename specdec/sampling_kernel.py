@@ -163,9 +163,9 @@ def _reduce_splits_kernel(PART_VAL, PART_IDX, OUT, n_splits, SPLITS: tl.constexp
     tl.store(OUT + s, tl.sum(tl.where(offs == first, idx, 0), axis=0).to(tl.int64))
 
 
-def _launch_shape(rows: int, vocab: int, block: int = BLOCK) -> tuple[int, int]:
+def _launch_shape(rows: int, vocab: int) -> tuple[int, int]:
     """``(blocks per split, splits)``: enough programs to fill the GPU; blocks per split a power of two."""
-    blocks = triton.cdiv(vocab, block)
+    blocks = triton.cdiv(vocab, BLOCK)
     want_splits = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
     per_split = triton.next_power_of_2(triton.cdiv(blocks, want_splits))
     return per_split, triton.cdiv(blocks, per_split)
@@ -257,16 +257,14 @@ def _pick(vec, ar, j, other):
 
 
 @triton.jit
-def _pivot_pass(src, lo, hi, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.constexpr):
-    """Per threshold ``piv[j]``, over the tokens ``lo .. hi`` of the row (``hi`` may pass the
-    vocabulary): how many lie above it, their fixed-point mass, and the largest value at or below
-    it (``-inf`` if none). Each thread accumulates its own lanes over the range; the lanes are
-    reduced once, after the loop. Counts and masses are exact integers and the largest value a
-    maximum, so passes over parts of a row add up to the pass over the whole row, bit for bit."""
+def _pivot_pass(src, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: tl.constexpr):
+    """Per threshold ``piv[j]``: how many tokens lie above it, their fixed-point mass, and the
+    largest value at or below it (``-inf`` if none). Each thread accumulates its own lanes over the
+    whole row; the lanes are reduced once, after the loop."""
     count = tl.zeros([BLOCK, NP], tl.int32)
     mass = tl.zeros([BLOCK, NP], tl.int64)
     below = tl.full([BLOCK, NP], float("-inf"), tl.float32)
-    for start in range(lo, hi, BLOCK):
+    for start in range(0, vocab, BLOCK):
         idx, z = _row_block(src, start, vocab, temp, BLOCK)
         w = _weight(z, z_max)
         above = z[:, None] > piv[None, :]  # [BLOCK, NP]
@@ -274,38 +272,6 @@ def _pivot_pass(src, lo, hi, vocab, temp, z_max, piv, BLOCK: tl.constexpr, NP: t
         mass += tl.where(above, w[:, None], 0)
         below = tl.maximum(below, tl.where(above, float("-inf"), z[:, None]))
     return tl.sum(count, axis=0), tl.sum(mass, axis=0), tl.max(below, axis=0)
-
-
-@triton.jit
-def _first_pivots(z_max, NP: tl.constexpr):
-    """The first pass's thresholds: ``-inf``, ``max - 32 .. max - 1`` (geometric) and ``max``."""
-    ar = tl.arange(0, NP)
-    tl.static_assert(NP >= 4)
-    guess = z_max - tl.exp2(5.0 * (NP - 2 - ar).to(tl.float32) / (NP - 3))  # max - 32 .. max - 1, geometric
-    return tl.where(ar == 0, float("-inf"), tl.where(ar == NP - 1, z_max, guess))
-
-
-@triton.jit
-def _narrow(piv, count, mass, below, k, p, use_mass, bound, bound_from_total, NP: tl.constexpr):
-    """What one pass over thresholds ``piv`` (counts, masses, largest values below) tells: the
-    failing threshold ``a`` and the passing value ``b`` around the cutoff (see :func:`_search`).
-    With ``bound_from_total`` (the first pass of a top-p search) the mass bound is first set to
-    ``p`` times the mass above ``-inf``, all of it.
-
-    Returns ``(a, tokens above a, b, tokens above b, mass above b, bound, all pass, j)``: ``j`` the
-    first passing threshold (``a`` is ``piv[j - 1]`` unless all pass)."""
-    ar = tl.arange(0, NP)
-    if bound_from_total:
-        bound = p.to(tl.float64) * _pick(mass, ar, 0, 0).to(tl.float64)  # the mass above -inf: all of it
-    ok = (count < k) & ((use_mass == 0) | (mass.to(tl.float64) < bound))
-    j = tl.argmax(ok.to(tl.int32), axis=0, tie_break_left=True)  # the first passing threshold
-    all_pass = _pick(ok.to(tl.int32), ar, 0, 0) == 1  # only -inf (first pass) can: every finite token is kept
-    a = tl.where(all_pass, float("-inf"), _pick(piv, ar, j - 1, float("-inf")))
-    above_a = tl.where(all_pass, 0x7FFFFFFF, _pick(count, ar, j - 1, -1))  # above any limit: never sorted
-    b = _pick(below, ar, j, float("-inf"))
-    above_b = _pick(count, ar, j, -1)
-    mass_b = _pick(mass, ar, j, -1)
-    return a, above_a, b, above_b, mass_b, bound, all_pass, j
 
 
 @triton.jit
@@ -326,7 +292,9 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
     Returns ``(a, tokens above a, b, tokens above b, mass above b, bound)``.
     """
     ar = tl.arange(0, NP)
-    piv = _first_pivots(z_max, NP)
+    tl.static_assert(NP >= 4)
+    guess = z_max - tl.exp2(5.0 * (NP - 2 - ar).to(tl.float32) / (NP - 3))  # max - 32 .. max - 1, geometric
+    piv = tl.where(ar == 0, float("-inf"), tl.where(ar == NP - 1, z_max, guess))
     a = tl.full((), float("-inf"), tl.float32)
     b = z_max
     above_a = tl.full((), 0, tl.int32)
@@ -335,9 +303,17 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
     passes = tl.full((), 0, tl.int32)
     done = tl.full((), 0, tl.int32)
     while done == 0:
-        count, mass, below = _pivot_pass(src, 0, vocab, vocab, temp, z_max, piv, BLOCK, NP)
-        a, above_a, b, above_b, mass_b, bound, all_pass, j = _narrow(piv, count, mass, below, k, p, use_mass,
-                                                                     bound, bound_from_total & (passes == 0), NP)
+        count, mass, below = _pivot_pass(src, vocab, temp, z_max, piv, BLOCK, NP)
+        if bound_from_total & (passes == 0):
+            bound = p.to(tl.float64) * _pick(mass, ar, 0, 0).to(tl.float64)  # the mass above -inf: all of it
+        ok = (count < k) & ((use_mass == 0) | (mass.to(tl.float64) < bound))
+        j = tl.argmax(ok.to(tl.int32), axis=0, tie_break_left=True)  # the first passing threshold
+        all_pass = _pick(ok.to(tl.int32), ar, 0, 0) == 1  # only -inf (first pass) can: every finite token is kept
+        a = tl.where(all_pass, float("-inf"), _pick(piv, ar, j - 1, float("-inf")))
+        above_a = tl.where(all_pass, 0x7FFFFFFF, _pick(count, ar, j - 1, -1))  # above any limit: never sorted
+        b = _pick(below, ar, j, float("-inf"))
+        above_b = _pick(count, ar, j, -1)
+        mass_b = _pick(mass, ar, j, -1)
         passes += 1
         key_a = _ordered(a).to(tl.int64)
         key_b = _ordered(b).to(tl.int64)
@@ -349,24 +325,20 @@ def _search(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, li
 
 
 @triton.jit
-def _gather(src, lo, hi, vocab, temp, a, base, scratch, BLOCK: tl.constexpr):
-    """Write the tokens ``lo .. hi`` of the row whose value is above ``a`` into ``scratch`` from slot
-    ``base`` on, as (descending value, index) keys: ascending order of the keys is the stable
-    descending order of the tokens, whichever slot each landed in."""
-    for start in range(lo, hi, BLOCK):
+def _sorted_cutoff(src, vocab, temp, z_max, a, above_a, k, p, use_mass, bound, bound_from_k, scratch,
+                   BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """The cutoff among the ``above_a <= CAP`` tokens above ``a`` (which hold every kept token):
+    gathered into ``scratch`` as (descending value, index) keys, sorted in registers, masses summed
+    in order. With ``bound_from_k`` the mass bound is ``p`` times the mass of the first ``k``."""
+    base = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
         idx, z = _row_block(src, start, vocab, temp, BLOCK)
         sel = z > a
         slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         packed = ((~_ordered(z)).to(tl.int64) << 32) | idx.to(tl.int64)  # ascending = stable descending
         tl.store(scratch + slot, packed, mask=sel)
         base += tl.sum(sel.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _sort_cut(z_max, above_a, k, p, use_mass, bound, bound_from_k, scratch, CAP: tl.constexpr):
-    """The cutoff among the ``above_a <= CAP`` candidate keys in ``scratch`` (every kept token among
-    them): sorted in registers, masses summed in order. With ``bound_from_k`` the mass bound is
-    ``p`` times the mass of the first ``k``."""
+    tl.debug_barrier()  # the candidates were written by other threads of this program
     rank = tl.arange(0, CAP)
     valid = rank < above_a
     packed = tl.sort(tl.load(scratch + rank, mask=valid, other=0x7FFFFFFFFFFFFFFF), dim=0)
@@ -379,16 +351,6 @@ def _sort_cut(z_max, above_a, k, p, use_mass, bound, bound_from_k, scratch, CAP:
     keep = valid & (rank < k) & ((use_mass == 0) | (before.to(tl.float64) < bound))
     last = tl.sum(keep.to(tl.int32), axis=0) - 1
     return _pick(z, rank, last, float("-inf")), _pick(idx, rank, last, -1)
-
-
-@triton.jit
-def _sorted_cutoff(src, vocab, temp, z_max, a, above_a, k, p, use_mass, bound, bound_from_k, scratch,
-                   BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """The cutoff among the ``above_a <= CAP`` tokens above ``a`` (which hold every kept token):
-    gathered into ``scratch`` (:func:`_gather`), then sorted (:func:`_sort_cut`)."""
-    _gather(src, 0, vocab, vocab, temp, a, tl.full((), 0, tl.int32), scratch, BLOCK)
-    tl.debug_barrier()  # the candidates were written by other threads of this program
-    return _sort_cut(z_max, above_a, k, p, use_mass, bound, bound_from_k, scratch, CAP)
 
 
 @triton.jit
@@ -433,30 +395,12 @@ def _cutoff(src, vocab, temp, z_max, k, p, use_mass, bound, bound_from_total, bo
     return thr, icut, ties, t, above_t, mass_t
 
 
-@triton.jit
-def _limited_cutoff(src, vocab, temp, z_max, k, p, has_k, has_p, limit, scratch,
-                    BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
-    """``(thr, icut)`` of a row with a limit, from its largest value ``z_max`` (0 for a row of ``-inf``
-    only): one program, every pass over the whole row."""
-    # Top-p alone: one search on the mass. Top-k (with or without top-p): a search on the count,
-    # whose candidates hold all of top-k; if they were too many to sort, top-k's mass comes from
-    # the ties pass and a second search finds top-p's cutoff within it.
-    top_p_only = has_p & ~has_k
-    zero = tl.full((), 0.0, tl.float64)
-    thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, top_p_only, zero, top_p_only,
-                                                  has_p & has_k, limit, scratch, BLOCK, NP, CAP, MAX_PASSES)
-    if has_k & has_p & (ties >= 0):
-        top_k_mass = mass_t + tl.minimum(ties, k - above_t).to(tl.int64) * _weight(t, z_max)
-        bound = p.to(tl.float64) * top_k_mass.to(tl.float64)
-        no = tl.full((), 0, tl.int1)
-        thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, has_p, bound, no, no, limit,
-                                                      scratch, BLOCK, NP, CAP, MAX_PASSES)
-    return thr, icut
-
-
-@triton.jit
-def _row_limits(ROWS, TEMP, TOP_K, TOP_P, s, vocab):
-    """Sampled row ``s``: ``(its logits' row, temperature, k, p, has top-k, has top-p)``."""
+@triton.jit(do_not_specialize=["vocab", "limit"],
+            do_not_specialize_on_alignment=["ROWS", "ARGMAX", "TEMP", "TOP_K", "TOP_P", "THR", "ICUT"])
+def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH, THR, ICUT, vocab, limit,
+                   HAS_ARGMAX: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
+                   MAX_PASSES: tl.constexpr):
+    s = tl.program_id(0)
     row = tl.load(ROWS + s)
     temp = tl.load(TEMP + s)
     k_in = tl.load(TOP_K + s)
@@ -465,121 +409,6 @@ def _row_limits(ROWS, TEMP, TOP_K, TOP_P, s, vocab):
     has_k = (k_in > 0) & (k_in < vocab)
     has_p = p < 1.0
     k = tl.where(has_k, k_in, vocab + 1).to(tl.int32)  # vocab + 1: the count never binds
-    return row, temp, k, p, has_k, has_p
-
-
-@triton.jit
-def _top_value(src, ARGMAX, row, temp):
-    """The row's largest z (its logit at the argmax, divided as every z is: rounding keeps the
-    order), 0 for a row of ``-inf`` only; and whether it is such a row."""
-    z_max = tl.math.div_rn(tl.load(src + tl.load(ARGMAX + row)).to(tl.float32), temp)
-    dead = z_max == float("-inf")  # a row of -inf only: no mass; top-p keeps its first token alone
-    return tl.where(dead, 0.0, z_max), dead
-
-
-@triton.jit
-def _first_pass(COUNT, MASS, BELOW, s, n_splits, piv, k, p, top_p_only, SPLITS: tl.constexpr, NP: tl.constexpr):
-    """The first search pass of row ``s`` from its splits' parts (:func:`_cut_pass_kernel`), as
-    :func:`_narrow` reads the pass over the whole row; also the parts' counts ``[SPLITS, NP]``.
-
-    Returns ``(a, tokens above a, bound, j, counts)``."""
-    sp = tl.arange(0, SPLITS)
-    ar = tl.arange(0, NP)
-    at = (s * n_splits + sp[:, None]) * NP + ar[None, :]  # [SPLITS, NP]
-    inside = (sp < n_splits)[:, None] & (ar < NP)[None, :]
-    counts = tl.load(COUNT + at, mask=inside, other=0)
-    mass = tl.sum(tl.load(MASS + at, mask=inside, other=0), axis=0)
-    below = tl.max(tl.load(BELOW + at, mask=inside, other=float("-inf")), axis=0)
-    zero = tl.full((), 0.0, tl.float64)
-    a, above_a, b, above_b, mass_b, bound, all_pass, j = _narrow(piv, tl.sum(counts, axis=0), mass, below, k, p,
-                                                                 top_p_only, zero, top_p_only, NP)
-    return a, above_a, bound, j, counts
-
-
-# The split path (the step's argmax given): three launches, each of many short programs, where one
-# program a row walks the whole row three times or more in the usual case. (1) every (row, split)
-# program makes the first search pass over its split; (2) every (row, split) program adds up its
-# row's parts and, where the candidates fit (at most ``limit`` above ``a``: the one-program search
-# would stop there and sort them), gathers its split's candidates at the slots after those of the
-# splits before it; (3) one program a row sorts them, or, where they do not fit, runs the
-# one-program search from the start (a flat row, a large top-k). Each part is the one-program
-# kernel's own arithmetic on exact integer counts and masses: the cutoffs are the same, bit for bit.
-_SPLIT_PTRS = ["ROWS", "ARGMAX", "TEMP", "TOP_K", "TOP_P", "COUNT", "MASS", "BELOW", "SCRATCH", "THR", "ICUT"]
-
-
-@triton.jit(do_not_specialize=["vocab", "n_splits", "blocks"], do_not_specialize_on_alignment=_SPLIT_PTRS)
-def _cut_pass_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, COUNT, MASS, BELOW, vocab, n_splits,
-                     blocks, BLOCK: tl.constexpr, NP: tl.constexpr):
-    s = tl.program_id(0)
-    split = tl.program_id(1)
-    row, temp, k, p, has_k, has_p = _row_limits(ROWS, TEMP, TOP_K, TOP_P, s, vocab)
-    if has_k | has_p:
-        src = LOGITS + row.to(tl.int64) * stride_row
-        z_max, dead = _top_value(src, ARGMAX, row, temp)
-        lo = split * blocks * BLOCK
-        count, mass, below = _pivot_pass(src, lo, lo + blocks * BLOCK, vocab, temp, z_max, _first_pivots(z_max, NP),
-                                         BLOCK, NP)
-        at = (s * n_splits + split) * NP + tl.arange(0, NP)
-        tl.store(COUNT + at, count)
-        tl.store(MASS + at, mass)
-        tl.store(BELOW + at, below)
-
-
-@triton.jit(do_not_specialize=["vocab", "n_splits", "blocks", "limit"], do_not_specialize_on_alignment=_SPLIT_PTRS)
-def _cut_gather_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, COUNT, MASS, BELOW, SCRATCH, vocab,
-                       n_splits, blocks, limit, BLOCK: tl.constexpr, NP: tl.constexpr, SPLITS: tl.constexpr,
-                       CAP: tl.constexpr):
-    s = tl.program_id(0)
-    split = tl.program_id(1)
-    row, temp, k, p, has_k, has_p = _row_limits(ROWS, TEMP, TOP_K, TOP_P, s, vocab)
-    if has_k | has_p:
-        src = LOGITS + row.to(tl.int64) * stride_row
-        z_max, dead = _top_value(src, ARGMAX, row, temp)
-        a, above_a, bound, j, counts = _first_pass(COUNT, MASS, BELOW, s, n_splits, _first_pivots(z_max, NP), k, p,
-                                                   has_p & ~has_k, SPLITS, NP)
-        if above_a <= limit:
-            sp = tl.arange(0, SPLITS)
-            ar = tl.arange(0, NP)
-            mine = (sp[:, None] < split) & (ar[None, :] == j - 1)  # the candidates of the splits before this one
-            base = tl.sum(tl.sum(tl.where(mine, counts, 0), axis=1), axis=0)
-            lo = split * blocks * BLOCK
-            _gather(src, lo, lo + blocks * BLOCK, vocab, temp, a, base, SCRATCH + s.to(tl.int64) * CAP, BLOCK)
-
-
-@triton.jit(do_not_specialize=["vocab", "n_splits", "limit"], do_not_specialize_on_alignment=_SPLIT_PTRS)
-def _cut_finish_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, COUNT, MASS, BELOW, SCRATCH, THR, ICUT,
-                       vocab, n_splits, limit, BLOCK: tl.constexpr, NP: tl.constexpr, SPLITS: tl.constexpr,
-                       CAP: tl.constexpr, MAX_PASSES: tl.constexpr):
-    s = tl.program_id(0)
-    row, temp, k, p, has_k, has_p = _row_limits(ROWS, TEMP, TOP_K, TOP_P, s, vocab)
-    thr = tl.full((), float("-inf"), tl.float32)
-    icut = tl.full((), 0, tl.int32) + vocab
-    if has_k | has_p:
-        src = LOGITS + row.to(tl.int64) * stride_row
-        scratch = SCRATCH + s.to(tl.int64) * CAP
-        z_max, dead = _top_value(src, ARGMAX, row, temp)
-        top_p_only = has_p & ~has_k
-        a, above_a, bound, j, counts = _first_pass(COUNT, MASS, BELOW, s, n_splits, _first_pivots(z_max, NP), k, p,
-                                                   top_p_only, SPLITS, NP)
-        if above_a <= limit:  # gathered: sort them (the one-program search stops after its first pass here)
-            thr, icut = _sort_cut(z_max, above_a, k, p, top_p_only | (has_p & has_k), bound, has_p & has_k,
-                                  scratch, CAP)
-        else:
-            thr, icut = _limited_cutoff(src, vocab, temp, z_max, k, p, has_k, has_p, limit, scratch,
-                                        BLOCK, NP, CAP, MAX_PASSES)
-        icut = tl.where(dead & has_p, 0, icut)
-        thr = tl.where(dead & has_p, float("-inf"), thr)
-    tl.store(THR + s, thr)
-    tl.store(ICUT + s, icut)
-
-
-@triton.jit(do_not_specialize=["vocab", "limit"],
-            do_not_specialize_on_alignment=["ROWS", "ARGMAX", "TEMP", "TOP_K", "TOP_P", "THR", "ICUT"])
-def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH, THR, ICUT, vocab, limit,
-                   HAS_ARGMAX: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
-                   MAX_PASSES: tl.constexpr):
-    s = tl.program_id(0)
-    row, temp, k, p, has_k, has_p = _row_limits(ROWS, TEMP, TOP_K, TOP_P, s, vocab)
     src = LOGITS + row.to(tl.int64) * stride_row
     scratch = SCRATCH + s.to(tl.int64) * CAP
     thr = tl.full((), float("-inf"), tl.float32)
@@ -595,8 +424,19 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
             z_max = tl.max(lanes, axis=0)
         dead = z_max == float("-inf")  # a row of -inf only: no mass; top-p keeps its first token alone
         z_max = tl.where(dead, 0.0, z_max)
-        thr, icut = _limited_cutoff(src, vocab, temp, z_max, k, p, has_k, has_p, limit, scratch,
-                                    BLOCK, NP, CAP, MAX_PASSES)
+        # Top-p alone: one search on the mass. Top-k (with or without top-p): a search on the count,
+        # whose candidates hold all of top-k; if they were too many to sort, top-k's mass comes from
+        # the ties pass and a second search finds top-p's cutoff within it.
+        top_p_only = has_p & ~has_k
+        zero = tl.full((), 0.0, tl.float64)
+        thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, top_p_only, zero, top_p_only,
+                                                      has_p & has_k, limit, scratch, BLOCK, NP, CAP, MAX_PASSES)
+        if has_k & has_p & (ties >= 0):
+            top_k_mass = mass_t + tl.minimum(ties, k - above_t).to(tl.int64) * _weight(t, z_max)
+            bound = p.to(tl.float64) * top_k_mass.to(tl.float64)
+            no = tl.full((), 0, tl.int1)
+            thr, icut, ties, t, above_t, mass_t = _cutoff(src, vocab, temp, z_max, k, p, has_p, bound, no, no, limit,
+                                                          scratch, BLOCK, NP, CAP, MAX_PASSES)
         icut = tl.where(dead & has_p, 0, icut)
         thr = tl.where(dead & has_p, float("-inf"), thr)
     tl.store(THR + s, thr)
@@ -605,7 +445,7 @@ def _cutoff_kernel(LOGITS, stride_row, ROWS, ARGMAX, TEMP, TOP_K, TOP_P, SCRATCH
 
 def row_cutoffs(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, argmax: torch.Tensor | None = None,
-                limit: int | None = None, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`specdec.sampling.row_cutoffs` of ``logits[rows] / temperature``, without sorting a row.
 
     The same ``(thr, icut)`` keep-sets, bit for bit, as the torch reference (one stable sort of every
@@ -619,12 +459,6 @@ def row_cutoffs(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     cutoff among its ties. With the rows' argmax given (the step has it already), about three
     passes over the row in the usual case: the first search pass, maybe a second, the gathering.
 
-    Split (the default when ``argmax`` is given): the first pass and the gathering run over splits
-    of the vocabulary in many programs, a row's parts added up exactly; one program a row then
-    sorts the candidates, or searches on from the start where they do not fit (three launches, the
-    same cutoffs). One program a row walks 49,152 logits at least twice one after the other, which
-    at a step's 16-300 sampled rows is most of the sampling's time on the GPU.
-
     Args:
         logits: ``[n, vocab]`` logits, any float dtype, rows contiguous in the vocabulary.
         rows: ``[S]`` int64 row of ``logits`` per sampled row; temperature: ``[S]`` fp32 > 0.
@@ -633,8 +467,6 @@ def row_cutoffs(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
             for), or ``None``.
         limit: sort the candidates once at most this many remain (``<= CUT_CAP``, the default;
             0 never sorts: tests use it to run the exact search on every row).
-        split: the split path (``True``, needs ``argmax``), one program a row (``False``), or the
-            split path where ``argmax`` is given (``None``).
 
     Returns:
         ``(thr [S] fp32, icut [S] int32)``; rows without limits get ``(-inf, vocab)``. No host
@@ -652,24 +484,6 @@ def row_cutoffs(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     if n_rows == 0:
         return thr, icut
     scratch = torch.empty(n_rows, CUT_CAP, dtype=torch.int64, device=dev)
-    split = argmax is not None if split is None else split
-    if split:
-        if argmax is None:
-            raise ValueError("the split cutoffs read each row's maximum at its argmax: pass argmax")
-        blocks, splits = _launch_shape(n_rows, vocab, CUT_BLOCK)
-        count = torch.empty(n_rows, splits, CUT_PIVOTS, dtype=torch.int32, device=dev)
-        mass = torch.empty(n_rows, splits, CUT_PIVOTS, dtype=torch.int64, device=dev)
-        below = torch.empty(n_rows, splits, CUT_PIVOTS, dtype=torch.float32, device=dev)
-        most = max(2, triton.next_power_of_2(triton.cdiv(vocab, CUT_BLOCK)))  # from the vocabulary: one variant
-        head = (logits, logits.stride(0), rows, argmax, temperature, top_k, top_p, count, mass, below)
-        _cut_pass_kernel[(n_rows, splits)](*head, vocab, splits, blocks, BLOCK=CUT_BLOCK, NP=CUT_PIVOTS,
-                                           num_warps=CUT_WARPS)
-        _cut_gather_kernel[(n_rows, splits)](*head, scratch, vocab, splits, blocks, limit, BLOCK=CUT_BLOCK,
-                                             NP=CUT_PIVOTS, SPLITS=most, CAP=CUT_CAP, num_warps=CUT_WARPS)
-        _cut_finish_kernel[(n_rows,)](*head, scratch, thr, icut, vocab, splits, limit, BLOCK=CUT_BLOCK,
-                                      NP=CUT_PIVOTS, SPLITS=most, CAP=CUT_CAP, MAX_PASSES=CUT_MAX_PASSES,
-                                      num_warps=CUT_WARPS)
-        return thr, icut
     _cutoff_kernel[(n_rows,)](logits, logits.stride(0), rows, argmax if argmax is not None else rows, temperature,
                               top_k, top_p, scratch, thr, icut, vocab, limit, HAS_ARGMAX=argmax is not None,
                               BLOCK=CUT_BLOCK, NP=CUT_PIVOTS, CAP=CUT_CAP, MAX_PASSES=CUT_MAX_PASSES,

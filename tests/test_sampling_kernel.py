@@ -133,9 +133,9 @@ def _reference_keeps(z: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def _kernel_keeps(logits, rows, temperature, top_k, top_p, limit, with_argmax=True, split=None) -> torch.Tensor:
+def _kernel_keeps(logits, rows, temperature, top_k, top_p, limit, with_argmax=True) -> torch.Tensor:
     argmax = logits.argmax(dim=-1) if with_argmax else None  # the maximum read at the argmax, or searched for
-    thr, icut = sampling_kernel.row_cutoffs(logits, rows, temperature, top_k, top_p, argmax, limit=limit, split=split)
+    thr, icut = sampling_kernel.row_cutoffs(logits, rows, temperature, top_k, top_p, argmax, limit=limit)
     z = logits.index_select(0, rows).float() / temperature[:, None]
     return _keeps(z, thr, icut)
 
@@ -193,11 +193,10 @@ def test_cutoff_kernel_paths_on_chosen_rows(small_cap):
     top_k = [0, 0, 500, 10, 0, 0, 3]
     top_p = [0.9, 0.9, 0.9, 1.0, 0.37, 1.0, 0.5]
     want = _reference_keeps((logits / temperature[:, None]).cpu(), top_k, top_p)
-    for limit, with_argmax, split in ((small_cap, True, True), (0, True, True), (small_cap, True, False),
-                                      (small_cap, False, False)):
+    for limit, with_argmax in ((small_cap, True), (0, True), (small_cap, False)):
         got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device=DEVICE),
-                            torch.tensor(top_p, dtype=torch.float32, device=DEVICE), limit, with_argmax, split)
-        assert torch.equal(got.cpu(), want), (limit, split, (got.cpu() != want).sum(dim=-1).tolist())
+                            torch.tensor(top_p, dtype=torch.float32, device=DEVICE), limit, with_argmax)
+        assert torch.equal(got.cpu(), want), (limit, (got.cpu() != want).sum(dim=-1).tolist())
     kept = want.sum(dim=-1).tolist()
     assert kept[1] > small_cap and kept[3] == 10 and kept[5] == vocab and kept[6] == 1, kept  # -inf row: top-p keeps one
     # the ties at 2.0 hold 1 / (1 + e^-1) of the mass: top-p 0.37 keeps the first 152 of them, in index order
@@ -237,40 +236,6 @@ def test_a_top_p_that_rounds_to_zero_keeps_one_token(small_cap):
                         torch.tensor(top_k, device=DEVICE), torch.tensor([top_p] * 2, device=DEVICE), small_cap)
     want = _reference_keeps(logits.cpu(), top_k, [top_p] * 2)
     assert want.sum(dim=-1).tolist() == [1, 1] and torch.equal(got.cpu(), want)
-
-
-@needs_kernels
-@given(seed=st.integers(0, 2**20), vocab=st.sampled_from([1, 40, 130, 300]),
-       kind=st.sampled_from(["random", "ties", "flat", "hot", "inf", "zeros"]),
-       rows=st.lists(CUT_ROW, min_size=1, max_size=4), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       limit=st.sampled_from(["cap", 16, 0]), block=st.sampled_from([16, 64]), programs=st.sampled_from([1, 5, 1024]))
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_split_cutoffs_equal_one_program_cutoffs_bit_for_bit(small_cap, monkeypatch, seed, vocab, kind, rows, dtype,
-                                                             limit, block, programs):
-    """The split path (first pass and gathering over splits of the vocabulary, one to many blocks a
-    split) gives each row exactly the one-program kernel's threshold and index, whichever way the
-    row goes on (sorted at once, or searched on from the start), and so the sorting reference's keeps."""
-    monkeypatch.setattr(sampling_kernel, "CUT_BLOCK", block)  # several splits of a small vocabulary
-    monkeypatch.setattr(sampling_kernel, "TARGET_PROGRAMS", programs)  # 1: one split a row; 5: a few blocks a split
-    gen = torch.Generator().manual_seed(seed)
-    logits = _cutoff_logits(gen, len(rows) + 2, vocab, kind).to(dtype).to(DEVICE)
-    picked = torch.randperm(len(rows) + 2, generator=gen)[:len(rows)].to(DEVICE)
-    temperature = torch.tensor([r[0] for r in rows], dtype=torch.float32, device=DEVICE)
-    top_k = torch.tensor([r[1] for r in rows], device=DEVICE)
-    top_p = torch.tensor([r[2] for r in rows], dtype=torch.float32, device=DEVICE)
-    limit = small_cap if limit == "cap" else limit
-    argmax = logits.argmax(dim=-1)
-    split = sampling_kernel.row_cutoffs(logits, picked, temperature, top_k, top_p, argmax, limit=limit, split=True)
-    one = sampling_kernel.row_cutoffs(logits, picked, temperature, top_k, top_p, argmax, limit=limit, split=False)
-    assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1]), (split, one)
-    z = logits.index_select(0, picked).float() / temperature[:, None]
-    assert torch.equal(_keeps(z, *split).cpu(), _reference_keeps(z.cpu(), top_k.tolist(), top_p.tolist()))
-
-
-def test_split_cutoffs_need_the_argmax():
-    with pytest.raises(ValueError, match="argmax"):
-        sampling_kernel.row_cutoffs(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), torch.ones(1),
-                                    torch.zeros(1, dtype=torch.long), torch.ones(1), split=True)
 
 
 def test_cutoff_kernel_refuses_a_limit_past_its_capacity():
@@ -419,26 +384,19 @@ def test_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, dtype):
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (and the kernel compiled for it)")
 def test_one_compiled_variant_serves_every_row_count():
     """A new compiled variant costs about 0.25 s: a step whose sampled-row count is new must not
-    compile one (the blocks per split and the splits are runtime arguments), for the sampling
-    kernel and the split cutoffs alike."""
-
-    kernels = (sampling_kernel._sample_split_kernel, sampling_kernel._cut_pass_kernel,
-               sampling_kernel._cut_gather_kernel, sampling_kernel._cut_finish_kernel)
+    compile one (the blocks per split and the splits are runtime arguments)."""
 
     def compiled() -> int:
-        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+        return sum(len(cache[0]) for cache in sampling_kernel._sample_split_kernel.device_caches.values())
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(400, 49152, generator=gen).to(torch.bfloat16).cuda()
-    argmax = logits.argmax(dim=-1)
     counts = []
     for n_rows in (16, 1, 3, 40, 144, 288, 399):
         rows = torch.arange(n_rows, device="cuda")
         temperature = torch.full((n_rows,), 0.8, device="cuda")
         keys = torch.arange(n_rows, device="cuda")
         sampling_kernel.sample_tokens(logits, rows, temperature, keys, keys.clone(), sampling._STREAM_SAMPLE)
-        sampling_kernel.row_cutoffs(logits, rows, temperature, torch.full_like(keys, 50),
-                                    torch.full((n_rows,), 0.95, device="cuda"), argmax)
         counts.append(compiled())
     torch.cuda.synchronize()
     assert counts == [counts[0]] * len(counts), counts
@@ -460,10 +418,10 @@ def test_cutoff_kernel_equals_torch_on_the_gpu_at_vocab_49152(n_rows, kind):
     top_k, top_p = [p[1] for p in params], [p[2] for p in params]
     z = logits.float() / temperature[:, None]
     want = _keeps(z, *row_cutoffs(z, top_k, top_p))
-    for limit, with_argmax, split in ((None, True, True), (0, True, True), (None, True, False), (None, False, False)):
+    for limit, with_argmax in ((None, True), (0, True), (None, False)):
         got = _kernel_keeps(logits, rows, temperature, torch.tensor(top_k, device="cuda"),
-                            torch.tensor(top_p, device="cuda"), limit, with_argmax, split)
-        assert torch.equal(got, want), (limit, split, (got != want).sum(dim=-1).tolist())
+                            torch.tensor(top_p, device="cuda"), limit, with_argmax)
+        assert torch.equal(got, want), (limit, (got != want).sum(dim=-1).tolist())
 
 
 def test_warm_up_is_a_no_op_where_sample_rows_takes_the_torch_path(monkeypatch):
@@ -494,9 +452,7 @@ def test_warm_up_runs_every_kernel_sample_rows_launches(monkeypatch, small_cap):
 def test_after_warm_up_a_sampled_step_compiles_nothing():
     def compiled() -> int:
         return sum(len(cache[0]) for k in (sampling_kernel._sample_split_kernel, sampling_kernel._cutoff_kernel,
-                                           sampling_kernel._reduce_splits_kernel, sampling_kernel._cut_pass_kernel,
-                                           sampling_kernel._cut_gather_kernel, sampling_kernel._cut_finish_kernel)
-                   for cache in k.device_caches.values())
+                                           sampling_kernel._reduce_splits_kernel) for cache in k.device_caches.values())
 
     sampling.warm_up(49152, "cuda")
     before = compiled()
