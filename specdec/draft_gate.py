@@ -74,13 +74,13 @@ request's last token, requests waiting, a preemption): a few declines barely mov
 engine that declines half of them or more is priced at the unchained cost alone.
 
 How much of a draft is accepted is a matter of the text, which changes with the requests: when
-requests join the batch (:meth:`DraftGate.joined`, told by the engine as they emit their first
-tokens), the acceptance measured before weighs their share of the batch less, and where one or two
-make up half of it or more (a batch of 1 to 4) a bucket that holds no draft probes the longest at
-once (where it could pay, within :data:`~DraftGate.JOIN_PROBE_SHARE` of the plain time since the last
-probe). At batch 1 a
-request's text is the whole batch: a gate that stopped drafting on one answer would otherwise carry
-that answer's acceptance into the next, and wait a probe's interval to see it.
+one or two requests join the batch and make up half of it or more (a batch of 1 to 4;
+:meth:`DraftGate.joined`, told by the engine as they emit their first tokens), a bucket that holds
+no draft probes the longest at once (where it could pay, within :data:`~DraftGate.JOIN_PROBE_SHARE`
+of the plain time since the last probe). At batch 1 a request's text is the whole batch: a gate
+that stopped drafting on one answer would otherwise carry that answer's acceptance into the next,
+and wait a probe's interval to see it. The acceptance measured before a join keeps its weight (an
+answer's first steps are a poor guide to the rest: :meth:`DraftGate.joined`).
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
@@ -174,22 +174,6 @@ class _Acceptance:
                 self.sq[j] += sq_upto[self.lengths[j]]
                 self.w2[j] += len(accepted)
 
-    def scale(self, keep: float) -> None:
-        """Weigh every request-step so far ``keep`` times as much, but each length's at least one
-        request-step's worth where it had that much (their means and standard errors stay; only what
-        later steps weigh beside them grows). The floor keeps a length measured only in probes known
-        through any number of joins (at batch 1, a tenth a join would forget it in nine)."""
-        for j in range(1, len(self.lengths)):
-            n = self.n[j]
-            if n <= 0.0:
-                continue
-            f = max(keep, min(1.0, 1.0 / n))
-            self.sum[j] *= f
-            self.n[j] *= f
-            self.sq[j] *= f
-            self.tot[j] *= f
-            self.w2[j] *= f * f
-
     def mean(self, i: int) -> float | None:
         """Drafted tokens a request gets accepted with at most ``lengths[i]`` drafted (0 for no
         draft); ``None`` before a step drafted that many."""
@@ -251,6 +235,7 @@ class _Bucket:
         self.probe_left = 0  # its steps still to measure
         self.probes = 0
         self.join_probe = False  # the probe under way was started by a join (DraftGate.joined)
+        self.join_wait = 0  # plain steps until a join's probe starts (0: none waiting)
         self.join_misses = 0  # join probes in a row after which the bucket still held no draft
         # measured_cost: _window_cost's (exponent, M, k), until the window changes
         self._cost: list[tuple | None] = [None] * len(lengths)
@@ -464,12 +449,6 @@ class DraftGate:
     #: time since the last (a length near the lead is probed every :data:`PROBE_SHARE`; one far behind
     #: less often)
     PROBE_LOSS = 0.01
-    #: how much of a draft the target accepts is a matter of the request's text: where requests join
-    #: a batch (:meth:`joined`), the request-steps measured before weigh ``1 -`` their share of it as
-    #: much, and at least this much (a batch of one: a new text, judged mostly on its own steps; in
-    #: bench/gate_sim.py's batch-1 runs a tenth came as close to each request's best length as a
-    #: fiftieth, which trusts a probe's four steps more, and closer than a half)
-    JOIN_KEEP = 0.1
     #: one or two requests joining at once that make up at least this share of the batch (a batch of
     #: 1 to 4) start a probe of the longest draft where the bucket holds no draft: the acceptance that
     #: made it stop drafting was another text's (on the H100 at batch 1, Spec-Bench, a gate that
@@ -478,6 +457,8 @@ class DraftGate:
     JOIN_PROBE = 0.5
     #: the most requests joining at once that start such a probe
     JOIN_PROBE_REQUESTS = 2
+    #: plain steps a join's probe waits: an answer's first steps accept least (:meth:`joined`)
+    JOIN_PROBE_AFTER = 8
     #: most of the time join probes take: one waits until its steps' estimated time is at most this
     #: share of the plain steps' since the last probe (looser than :data:`PROBE_SHARE`, whose
     #: probes come every 150-250 plain steps at batch 1 on the H100: most answers of 256 tokens
@@ -581,12 +562,18 @@ class DraftGate:
     def joined(self, batch: int, n: int) -> None:
         """``n`` requests began generating (their first tokens out) in a batch now of ``batch``.
 
-        The acceptance measured so far was other requests' text in part: it weighs ``1 - n / batch``
-        as much (at least :data:`JOIN_KEEP`), so the joined requests' own steps soon decide. Where
-        they are at most :data:`JOIN_PROBE_REQUESTS` and make up at least :data:`JOIN_PROBE` of the
-        batch, and the bucket takes plain steps after its first measurements, the longest draft is
-        probed now (:data:`PROBE_STEPS` steps): a plain regime measures no acceptance, and the one it
-        was chosen on may be another text's.
+        Where they are at most :data:`JOIN_PROBE_REQUESTS` and make up at least :data:`JOIN_PROBE` of
+        the batch, the longest draft is probed (:data:`PROBE_STEPS` steps) after
+        :data:`JOIN_PROBE_AFTER` more plain steps of the bucket, if it then holds no draft after its
+        first measurements: a plain regime measures no acceptance, and the one it was chosen on may
+        be another text's.
+
+        Why after, and why the acceptance measured so far keeps its weight: an answer's first steps
+        accept less than its later ones and vary most (on the H100, Spec-Bench at batch 1, DFlash:
+        1.0 drafted tokens accepted a step in an answer's first four steps, 1.4 after them; none on
+        the first step in half the answers). Probed at once and weighed over the answers before
+        (a tenth, in an earlier version), they stopped the gate on answers DFlash drafts at 1.5-2.4x
+        plain steps' speed: 1.02x the null drafter against 1.11x with no joins told, in one run.
         """
         if isinstance(batch, bool) or isinstance(n, bool) or not isinstance(batch, int) or not isinstance(n, int):
             raise ValueError(f"batch and n must be ints, got {batch!r} and {n!r}")
@@ -594,14 +581,17 @@ class DraftGate:
             raise ValueError(f"{n} requests cannot join a batch of {batch}")
         if n == 0:
             return
-        share = n / batch
-        self._acceptance.scale(max(1.0 - share, self.JOIN_KEEP))  # means and errors stay: no estimate moves
         b = self._buckets.get(bucket_of(batch))
-        if (b is None or n > self.JOIN_PROBE_REQUESTS or share < self.JOIN_PROBE or b.probing is not None
+        if (b is None or n > self.JOIN_PROBE_REQUESTS or n / batch < self.JOIN_PROBE or b.probing is not None
                 or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
             return
-        b.at(batch)
-        if self._next(b) != 0 or not self._join_probe_pays(b, batch):
+        b.join_wait = self.JOIN_PROBE_AFTER  # a new text: a probe once its first steps are past
+
+    def _join_probe(self, b: _Bucket, batch: int) -> None:
+        """The probe a join asked for, its wait over: the longest draft, where the bucket holds no
+        draft after its first measurements, no probe is under way and it could pay."""
+        if (b.probing is not None or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP
+                or self._next(b) != 0 or not self._join_probe_pays(b, batch)):
             return
         b.probing, b.probe_left, b.join_probe = len(self.lengths) - 1, self.PROBE_STEPS, True
         b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1
@@ -654,6 +644,8 @@ class DraftGate:
             return False
         if b.probing == 0:
             return b.probe_left > 1
+        if b.join_wait == 1:  # recording the current step may start a join's probe
+            return False
         if b.steps[0] < self.WARMUP:  # its first measurement: plain until its last step
             return b.steps[0] + 1 < self.WARMUP
         if self._due_probe(b, b.run, b.run_s, batch) not in (None, 0):  # a probe of drafts waited on a promise
@@ -700,6 +692,12 @@ class DraftGate:
                     b.join_probe = False
                     b.join_misses = 0 if b.best() != 0 else b.join_misses + 1
             return
+        if i == 0 and b.join_wait:
+            b.join_wait -= 1
+            if not b.join_wait:
+                self._join_probe(b, batch)
+                if b.probing is not None:
+                    return
         if self._next(b) == i:  # exploiting: count towards the next probe
             b.run += 1
             b.run_s += seconds

@@ -84,6 +84,7 @@ def _true_best(env, lengths, batch: int = 8) -> int:
 
 
 W, E, P = DraftGate.WARMUP, DraftGate.PROBE_EVERY, DraftGate.PROBE_STEPS
+J = DraftGate.JOIN_PROBE_AFTER
 
 
 def test_a_new_bucket_measures_the_longest_and_no_draft_then_takes_the_best_estimate():
@@ -159,7 +160,7 @@ def test_a_request_joining_a_batch_of_one_is_probed_where_the_gate_holds_no_draf
     env.p = 0.9  # the next request: text the drafter suits, the longest draft 3.7x plain steps' rate
     told.joined(1, 1)
     seq = _drive(told, 40, env, batch=1)
-    assert seq[:P] == [8] * P and seq[-20:] == [8] * 20  # probed at once, then drafting
+    assert seq[:J + P] == [0] * J + [8] * P and seq[-20:] == [8] * 20  # probed past its first steps, then drafting
     # not told, the gate carries the last request's acceptance: plain steps until a probe falls due
     assert _drive(untold, 40, env, batch=1) == [0] * 40
 
@@ -168,32 +169,87 @@ def test_a_join_probe_is_held_to_the_probes_budget_and_to_drafts_that_could_pay(
     gate, env = _gate_holding_no_draft(1)
     _plain_for(gate, env, 0.5)
     gate.joined(1, 1)
-    assert _drive(gate, P + 20, env, batch=1)[:P] == [8] * P  # probed, then plain again (p = 0.2)
-    gate.joined(1, 1)  # the next request after 20 plain steps: its probe would take a third of their time
-    assert _drive(gate, 20, env, batch=1) == [0] * 20
+    assert _drive(gate, J + P + 20, env, batch=1) == [0] * J + [8] * P + [0] * 20  # probed, then plain (p = 0.2)
+    gate.joined(1, 1)  # the next request after 20 plain steps: its probe would take over a fifth of their time
+    assert _drive(gate, J + 20, env, batch=1) == [0] * (J + 20)
     dear = DraftGate(8)  # a propose that costs 50 plain steps: not even every token accepted would pay
     denv = _Env(p=0.9, fixed=0.5, per_row=0.0001)
     _drive(dear, 300, denv, batch=1)
     _plain_for(dear, denv, 11.0)  # the probe's time (2 s) within JOIN_PROBE_SHARE: only what it could pay stops it
     dear.joined(1, 1)
-    assert _drive(dear, 10, denv, batch=1) == [0] * 10
+    assert _drive(dear, J + 10, denv, batch=1) == [0] * (J + 10)
 
 
-def test_a_request_joining_a_batch_of_one_judges_it_on_its_own_steps():
-    """Drafting on one request's text, then one the drafter does not suit: told of it, the gate
-    weighs the old acceptance a tenth (JOIN_KEEP) and stops drafting within 50 steps, where otherwise
-    the old text's steps outweigh the new one's for three times as long."""
+def test_a_drafting_gate_keeps_drafting_through_a_new_answer_s_harder_start():
+    """Answers the drafter suits (each token accepted at 0.85), each starting with eight steps at
+    0.4 (an answer's first steps accept least: GATE_SIM.NoisyModel); told of each, the gate drafts
+    through them, as it does untold: the acceptance before a join keeps its weight. Weighed a tenth
+    at each join (a subclass doing so, as an earlier version did), the first steps' draws decided
+    and the gate fell to plain steps."""
+
+    class Forgetful(DraftGate):
+        def joined(self, batch, n):
+            acc = self._acceptance
+            for j in range(1, len(self.lengths)):
+                f = max(0.1, min(1.0, 1.0 / acc.n[j])) if acc.n[j] > 0 else 1.0
+                acc.sum[j] *= f
+                acc.n[j] *= f
+                acc.sq[j] *= f
+                acc.tot[j] *= f
+                acc.w2[j] *= f * f
+            super().joined(batch, n)
+
+    def drafted(cls, tell: bool) -> float:
+        gate = cls(8)
+        env = GATE_SIM.NoisyModel(0.85, 0.018, 0.0001, seed=3, start_steps=8, start_factor=0.4 / 0.85)
+        steps = drafting = 0
+        for r in range(30):
+            env.new_request(0.85)
+            if tell:
+                gate.joined(1, 1)
+            got = 0
+            while got < 96:
+                n = gate.draft_length(1)
+                acc = env.accepted(1, n)
+                gate.record(1, n, acc, env.seconds(1, n))
+                got += 1 + acc[0]
+                if r >= 5:
+                    steps += 1
+                    drafting += n > 0
+        return drafting / steps
+
+    told, untold, forgetful = drafted(DraftGate, True), drafted(DraftGate, False), drafted(Forgetful, True)
+    # untold, it falls to plain steps at some starts too, and only a probe's interval later drafts again
+    assert told >= 0.9 and untold < told and forgetful < told - 0.1, (told, untold, forgetful)
+
+
+def test_a_join_probe_waits_past_an_answer_s_first_steps():
+    """A gate holding no draft; the next answer suits the drafter (0.9 a token) but its first eight
+    steps do not (0.15). Told of it, the gate probes once JOIN_PROBE_AFTER plain steps are past,
+    and drafts; a gate that probes at once (a subclass, as an earlier version did) measures the
+    start and stays plain."""
+
+    class Eager(DraftGate):
+        def joined(self, batch, n):
+            super().joined(batch, n)
+            b = self._buckets.get(bucket_of(batch))
+            if b is not None and b.join_wait:
+                b.join_wait = 0
+                self._join_probe(b, batch)
+
     runs = {}
-    for tell in (True, False):
-        gate, env = DraftGate(8), _Env(p=0.9, fixed=0.006, per_row=0.0001)
-        _drive(gate, 300, env, batch=1)
-        assert gate.stats()["1"]["draft_length"] == 8
-        env.p = 0.05
-        if tell:
-            gate.joined(1, 1)
-        seq = _drive(gate, 200, env, batch=1)
-        runs[tell] = seq.index(0) if 0 in seq else len(seq)
-    assert runs[True] <= 50 and runs[False] >= 3 * runs[True], runs
+    for cls in (DraftGate, Eager):
+        gate = cls(8)
+        plain_env = _Env(p=0.2, fixed=0.006, per_row=0.0001)
+        _drive(gate, 300, plain_env, batch=1)
+        _plain_for(gate, plain_env, 0.5)
+        assert gate.stats()["1"]["draft_length"] == 0
+        env = GATE_SIM.NoisyModel(0.9, 0.006, 0.0001, seed=5, start_steps=8, start_factor=0.15 / 0.9)
+        env.new_request(0.9)
+        gate.joined(1, 1)
+        runs[cls.__name__] = _drive(gate, 60, env, batch=1)
+    assert runs["DraftGate"][:J + P] == [0] * J + [8] * P and min(runs["DraftGate"][-20:]) > 0, runs
+    assert runs["Eager"][:P] == [8] * P and runs["Eager"][-20:] == [0] * 20, runs
 
 
 def test_a_request_joining_a_large_batch_starts_no_probe_and_keeps_the_estimates():
@@ -208,7 +264,7 @@ def test_a_request_joining_a_large_batch_starts_no_probe_and_keeps_the_estimates
     small, env = _gate_holding_no_draft(4)
     _plain_for(small, env, 6.0, batch=4)
     small.joined(4, 2)  # two of a batch of four
-    assert _drive(small, P, env, batch=4) == [8] * P
+    assert _drive(small, J + P, env, batch=4) == [0] * J + [8] * P
 
 
 def test_join_probes_that_leave_the_gate_plain_come_less_often():
@@ -222,18 +278,18 @@ def test_join_probes_that_leave_the_gate_plain_come_less_often():
         assert b.join_misses == misses
         _plain_for(gate, env, 0.5)  # enough for a fifth (the probe: 67 ms), not for a tenth
         gate.joined(1, 1)
-        probed = _drive(gate, P, env, batch=1) == [8] * P
+        probed = _drive(gate, J + P, env, batch=1)[J:] == [8] * P
         assert probed == (misses == 0), misses
         if not probed:
             break
         _drive(gate, 5, env, batch=1)
     _plain_for(gate, env, 0.8)  # a tenth of this is over the probe's time
     gate.joined(1, 1)
-    assert _drive(gate, P, env, batch=1) == [8] * P and b.join_misses == 2
+    assert _drive(gate, J + P, env, batch=1)[J:] == [8] * P and b.join_misses == 2
     env.p = 0.95  # a text the drafter suits: the next join probe makes it draft
     _plain_for(gate, env, 1.4)
     gate.joined(1, 1)
-    _drive(gate, P + 10, env, batch=1)
+    _drive(gate, J + P + 10, env, batch=1)
     assert b.join_misses == 0 and gate.stats()["1"]["draft_length"] > 0
 
 
@@ -247,7 +303,7 @@ def test_a_bucket_still_measuring_or_probing_or_drafting_is_not_probed_on_a_join
     assert "3-4" not in gate.stats()
     _plain_for(gate, env, 0.5)
     gate.joined(1, 1)
-    assert _drive(gate, 2, env, batch=1) == [8, 8]
+    assert _drive(gate, J + 2, env, batch=1) == [0] * J + [8, 8]
     probes = gate._buckets[0].probes
     gate.joined(1, 1)  # mid-probe: the probe runs its course, no second one
     assert _drive(gate, P - 2, env, batch=1) == [8] * (P - 2)
@@ -257,19 +313,6 @@ def test_a_bucket_still_measuring_or_probing_or_drafting_is_not_probed_on_a_join
     before = drafting.stats()["1"]["steps"]
     drafting.joined(1, 1)  # drafting already: no probe (its own steps measure the new text)
     assert drafting._buckets[0].probing is None and drafting.stats()["1"]["steps"] == before
-
-
-def test_a_length_measured_only_in_probes_stays_known_through_many_joins():
-    """Each join at batch 1 weighs what came before a tenth as much, but never a length below one
-    request-step's worth: a hundred short requests in a row leave every estimate as it was (a tenth
-    a join, it would be gone after nine, and the gate unable to price the longest draft)."""
-    gate, _ = _gate_holding_no_draft(1)
-    accepted = gate.stats()["1"]["accepted"]
-    for _ in range(100):
-        gate.joined(1, 1)
-    after = gate.stats()["1"]["accepted"]
-    assert after.keys() == accepted.keys() and after == pytest.approx(accepted, rel=1e-9)
-    assert min(gate._acceptance.n[1:]) >= 1.0 - 1e-9
 
 
 def test_a_bucket_s_costs_follow_the_batch_it_is_asked_about():
@@ -993,7 +1036,7 @@ def test_the_gate_simulation_bench_runs(tmp_path):
                      "--unsuited-requests", "3", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "gate_sim.md").read_text()
     assert table.count("| broad (2) |") == 2 and table.count("| near (2) |") == 2
-    assert "| not told of new requests |" in table and "| told (JOIN_KEEP 0.1, the default) |" in table
+    assert "| not told of new requests |" in table and "| noisy, harder starts: told (the default) |" in table
     data = json.loads((tmp_path / "gate_sim.json").read_text())
     fixed = {k: r for k, r in data["ratios"].items() if "/" in k and k.split("/")[0] in ("broad", "near")}
     moves = {k: r for k, r in data["ratios"].items() if k.startswith("batch_moves/")}
@@ -1005,6 +1048,7 @@ def test_the_gate_simulation_bench_runs(tmp_path):
     runs = {k: r for k, r in data["ratios"].items() if k.startswith("requests/")}
     assert len(fixed) == 4 and all(len(r) == 2 and all(0 < x <= 1.5 for x in r) for r in fixed.values())
     # per run: over the best fixed length (may beat it: requests differ), over each request's best (<= 1)
-    assert len(runs) == 4 and all(len(r) == 2 and all(0 < a <= 2 and 0 < b <= 1.0001 for a, b in r)
-                                  for r in runs.values())
+    # (noisy runs' draws may be luckier than their expected rates: a little over each request's best)
+    assert len(runs) == 6 and all(len(r) == 2 and all(0 < a <= 2 and 0 < b <= (1.05 if "noisy" in k else 1.0001)
+                                                      for a, b in r) for k, r in runs.items())
     assert DraftGate.OPTIMISM == 0.5  # each case builds its gate with its own optimism; the default stays
