@@ -191,7 +191,7 @@ for part in "$@"; do
       cp .evaldata/question.jsonl "$base/.evaldata/"
       (cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 120 python $sb1 --drafters null,dflash,dspark \
         --out "$OUT/e2e_sb_b1_base" 2>&1 | grep "^| specdec"
-       cd "$base" && SPECDEC_CACHE=/tmp/basecache timeout 100 python $he32 --drafters null,dflash \
+       SPECDEC_CACHE=/tmp/basecache timeout 130 python $he32 --drafters null,dflash,dflash+gate+plain \
         --out "$OUT/e2e_he_b32_base" 2>&1 | grep "^| specdec") ;;
     gatesb32)  # the gate at batch 32 on Spec-Bench 0-239 (carried as .evaldata/question.jsonl): null, the plain regime
                # (DFlash behind a gate that never drafts: what its hooks cost), DFlash + gate, with an untimed
