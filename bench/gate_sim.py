@@ -105,13 +105,33 @@ class NoisyModel(Model):
         return super().rate(batch, length)
 
 
-def run_requests(case: dict, tell: bool, noisy: bool = False, after: int | None = None) -> tuple[float, float]:
+class FirstFormGate(DraftGate):
+    """:meth:`DraftGate.joined`'s first form, for comparison: the acceptance before a join weighed
+    ``1 - n / batch`` as much (at least a tenth, never a length below one request-step), the probe a
+    step after the join (it was at once)."""
+
+    JOIN_PROBE_AFTER = 1
+
+    def joined(self, batch: int, n: int) -> None:
+        acc, keep = self._acceptance, max(1.0 - n / batch, 0.1) if batch else 1.0
+        for j in range(1, len(self.lengths)):
+            if acc.n[j] > 0:
+                f = max(keep, min(1.0, 1.0 / acc.n[j]))
+                acc.sum[j] *= f
+                acc.n[j] *= f
+                acc.sq[j] *= f
+                acc.tot[j] *= f
+                acc.w2[j] *= f * f
+        super().joined(batch, n)
+
+
+def run_requests(case: dict, tell: bool, noisy: bool = False, first_form: bool = False) -> tuple[float, float]:
     """Batch 1 over a run of requests, each drafted for at its own ``p`` (``case["ps"]``, ``case["tokens"]``
     tokens each), the gate told of each new request (``tell``: :meth:`DraftGate.joined`) or not;
-    ``noisy``: :class:`NoisyModel`'s draws and harder starts; ``after``: its ``JOIN_PROBE_AFTER``.
+    ``noisy``: :class:`NoisyModel`'s draws and harder starts; ``first_form``: :class:`FirstFormGate`.
     Returns the run's tokens/s over the best fixed length's and over an oracle's that takes each
     request's best length."""
-    cls = DraftGate if after is None else type("Gate", (DraftGate,), {"JOIN_PROBE_AFTER": after})
+    cls = FirstFormGate if first_form else DraftGate
     gate = cls(case["max_draft"])
     model = (NoisyModel(case["ps"][0], case["fixed"], case["per_row"], seed=int(case["fixed"] * 1e9))
              if noisy else Model(case["ps"][0], case["fixed"], case["per_row"]))
@@ -156,11 +176,16 @@ def _one_request(gate: DraftGate, model: Model, tokens: int, tell: bool) -> tupl
     return got, seconds
 
 
-def draw_requests(rng: random.Random) -> dict:
-    """A batch-1 run of 40 requests: each accepts drafts at its own ``p`` (0.1-0.95), a drafting step
-    costs 1.2-2.5x a plain one, 64-512 tokens a request."""
-    return dict(max_draft=rng.choice([4, 8, 16]), fixed=rng.uniform(0.002, 0.015), per_row=rng.uniform(0.0001, 0.0005),
+def draw_requests(rng: random.Random, streaks: bool = False) -> dict:
+    """A batch-1 run of 40 requests: each accepts drafts at its own ``p`` (0.1-0.95; ``streaks``: four
+    runs of ten around a shared ``p``, within 0.07, as Spec-Bench's categories come in file order), a
+    drafting step costs 1.2-2.5x a plain one, 64-512 tokens a request."""
+    case = dict(max_draft=rng.choice([4, 8, 16]), fixed=rng.uniform(0.002, 0.015), per_row=rng.uniform(0.0001, 0.0005),
                 tokens=rng.choice([64, 128, 256, 512]), ps=[rng.uniform(0.1, 0.95) for _ in range(40)])
+    if streaks:
+        case["ps"] = [min(0.97, max(0.05, m + rng.gauss(0.0, 0.07)))
+                      for m in [rng.uniform(0.1, 0.95) for _ in range(4)] for _ in range(10)]
+    return case
 
 
 class LatencyModel(Model):
@@ -273,25 +298,25 @@ def main(argv=None) -> int:
                          f"{statistics.mean(ratios):.4f} | {min(ratios):.3f} |")
             print(lines[-1], flush=True)
     runs = [draw_requests(rng) for _ in range(args.request_cases)]
+    streak_runs = [draw_requests(rng, streaks=True) for _ in range(args.request_cases)]
     if runs:
-        lines += ["", f"Batch 1, {args.request_cases} runs of 40 requests (each its own acceptance; 'noisy, harder "
-                  "starts': NoisyModel):", "",
-                  "| the gate | mean of the best fixed length | below 0.9x it | mean of the per-request best "
+        lines += ["", f"Batch 1, {args.request_cases} runs of 40 requests each its own acceptance ('streaks': four "
+                  "runs of ten alike; 'noisy': NoisyModel's draws and harder starts):", "",
+                  "| requests | the gate | mean of the best fixed length | below 0.9x it | mean of the per-request best "
                   "| worst of it |",
-                  "|---|---|---|---|---|"]
-        for label, tell, noisy, after in (
-                ("not told of new requests", False, False, None),
-                (f"told (probe after {DraftGate.JOIN_PROBE_AFTER} plain steps, the default)", True, False, None),
-                ("told, probe after 1 plain step", True, False, 1),
-                ("noisy, harder starts: not told", False, True, None),
-                ("noisy, harder starts: told (the default)", True, True, None),
-                ("noisy, harder starts: told, probe after 1 plain step", True, True, 1)):
-            pairs = [run_requests(c, tell, noisy, after) for c in runs]
-            results[f"requests/{label}"] = pairs
-            fixed, oracle = [a for a, _ in pairs], [b for _, b in pairs]
-            lines.append(f"| {label} | {statistics.mean(fixed):.4f} | {sum(r < 0.9 for r in fixed)} | "
-                         f"{statistics.mean(oracle):.4f} | {min(oracle):.3f} |")
-            print(lines[-1], flush=True)
+                  "|---|---|---|---|---|---|"]
+        for set_name, cases in (("independent", runs), ("streaks", streak_runs)):
+            for noisy in (False, True):
+                for label, tell, first in (("not told of new requests", False, False),
+                                           ("told, first form (FirstFormGate)", True, True),
+                                           ("told (the default)", True, False)):
+                    pairs = [run_requests(c, tell, noisy, first) for c in cases]
+                    key = f"{set_name}{', noisy' if noisy else ''}"
+                    results[f"requests/{key}/{label}"] = pairs
+                    fixed, oracle = [a for a, _ in pairs], [b for _, b in pairs]
+                    lines.append(f"| {key} | {label} | {statistics.mean(fixed):.4f} | {sum(r < 0.9 for r in fixed)} | "
+                                 f"{statistics.mean(oracle):.4f} | {min(oracle):.3f} |")
+                    print(lines[-1], flush=True)
     if args.request_cases:
         lines += ["", f"Batch 1, {args.unsuited_requests} requests the drafter suits in none (acceptance 0.3 a token): "
                   "tokens/s over "

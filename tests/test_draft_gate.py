@@ -183,21 +183,9 @@ def test_a_join_probe_is_held_to_the_probes_budget_and_to_drafts_that_could_pay(
 def test_a_drafting_gate_keeps_drafting_through_a_new_answer_s_harder_start():
     """Answers the drafter suits (each token accepted at 0.85), each starting with eight steps at
     0.4 (an answer's first steps accept least: GATE_SIM.NoisyModel); told of each, the gate drafts
-    through them, as it does untold: the acceptance before a join keeps its weight. Weighed a tenth
-    at each join (a subclass doing so, as an earlier version did), the first steps' draws decided
+    through them: the acceptance before a join keeps its weight. Weighed a tenth at each join and
+    probed at once (the first form, bench/gate_sim.py's FirstFormGate), the first steps' draws decided
     and the gate fell to plain steps."""
-
-    class Forgetful(DraftGate):
-        def joined(self, batch, n):
-            acc = self._acceptance
-            for j in range(1, len(self.lengths)):
-                f = max(0.1, min(1.0, 1.0 / acc.n[j])) if acc.n[j] > 0 else 1.0
-                acc.sum[j] *= f
-                acc.n[j] *= f
-                acc.sq[j] *= f
-                acc.tot[j] *= f
-                acc.w2[j] *= f * f
-            super().joined(batch, n)
 
     def drafted(cls, tell: bool) -> float:
         gate = cls(8)
@@ -218,9 +206,9 @@ def test_a_drafting_gate_keeps_drafting_through_a_new_answer_s_harder_start():
                     drafting += n > 0
         return drafting / steps
 
-    told, untold, forgetful = drafted(DraftGate, True), drafted(DraftGate, False), drafted(Forgetful, True)
+    told, untold, first = drafted(DraftGate, True), drafted(DraftGate, False), drafted(GATE_SIM.FirstFormGate, True)
     # untold, it falls to plain steps at some starts too, and only a probe's interval later drafts again
-    assert told >= 0.9 and untold < told and forgetful < told - 0.1, (told, untold, forgetful)
+    assert told >= 0.9 and untold < told and first < told - 0.1, (told, untold, first)
 
 
 def test_a_join_probe_waits_past_an_answer_s_first_steps():
@@ -1036,7 +1024,7 @@ def test_the_gate_simulation_bench_runs(tmp_path):
                      "--unsuited-requests", "3", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "gate_sim.md").read_text()
     assert table.count("| broad (2) |") == 2 and table.count("| near (2) |") == 2
-    assert "| not told of new requests |" in table and "| noisy, harder starts: told (the default) |" in table
+    assert "| streaks, noisy | told (the default) |" in table and "| independent | not told of new requests |" in table
     data = json.loads((tmp_path / "gate_sim.json").read_text())
     fixed = {k: r for k, r in data["ratios"].items() if "/" in k and k.split("/")[0] in ("broad", "near")}
     moves = {k: r for k, r in data["ratios"].items() if k.startswith("batch_moves/")}
@@ -1049,6 +1037,6 @@ def test_the_gate_simulation_bench_runs(tmp_path):
     assert len(fixed) == 4 and all(len(r) == 2 and all(0 < x <= 1.5 for x in r) for r in fixed.values())
     # per run: over the best fixed length (may beat it: requests differ), over each request's best (<= 1)
     # (noisy runs' draws may be luckier than their expected rates: a little over each request's best)
-    assert len(runs) == 6 and all(len(r) == 2 and all(0 < a <= 2 and 0 < b <= (1.05 if "noisy" in k else 1.0001)
+    assert len(runs) == 12 and all(len(r) == 2 and all(0 < a <= 2 and 0 < b <= (1.05 if "noisy" in k else 1.0001)
                                                       for a, b in r) for k, r in runs.items())
     assert DraftGate.OPTIMISM == 0.5  # each case builds its gate with its own optimism; the default stays
