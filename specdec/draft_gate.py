@@ -76,11 +76,12 @@ engine that declines half of them or more is priced at the unchained cost alone.
 How much of a draft is accepted is a matter of the text, which changes with the requests: when
 one or two requests join the batch and make up half of it or more (a batch of 1 to 4;
 :meth:`DraftGate.joined`, told by the engine as they emit their first tokens), a bucket that holds
-no draft probes the longest at once (where it could pay, within :data:`~DraftGate.JOIN_PROBE_SHARE`
-of the plain time since the last probe). At batch 1 a request's text is the whole batch: a gate
-that stopped drafting on one answer would otherwise carry that answer's acceptance into the next,
-and wait a probe's interval to see it. The acceptance measured before a join keeps its weight (an
-answer's first steps are a poor guide to the rest: :meth:`DraftGate.joined`).
+no draft probes the longest once :data:`~DraftGate.JOIN_PROBE_AFTER` more plain steps are past
+(where it could pay, within :data:`~DraftGate.JOIN_PROBE_SHARE` of the plain time since the last
+probe). At batch 1 a request's text is the whole batch: a gate that stopped drafting on one answer
+would otherwise carry that answer's acceptance into the next, and wait a probe's interval to see it.
+The acceptance measured before a join keeps its weight, and the probe waits, because an answer's
+first steps are a poor guide to the rest (:meth:`DraftGate.joined`).
 
 Lossless whatever it decides: a shorter draft is a prefix of the drafter's, a plain step is the
 null drafter's step, and the drafter keeps hearing every accepted token (``on_accepted``,
