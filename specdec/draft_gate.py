@@ -566,8 +566,8 @@ class DraftGate:
         Where they are at most :data:`JOIN_PROBE_REQUESTS` and make up at least :data:`JOIN_PROBE` of
         the batch, the longest draft is probed (:data:`PROBE_STEPS` steps) after
         :data:`JOIN_PROBE_AFTER` more plain steps of the bucket, if it then holds no draft after its
-        first measurements: a plain regime measures no acceptance, and the one it was chosen on may
-        be another text's.
+        first measurements and took no drafting step meanwhile (that step measured the new text): a
+        plain regime measures no acceptance, and the one it was chosen on may be another text's.
 
         Why after, and why the acceptance measured so far keeps its weight: an answer's first steps
         accept less than its later ones and vary most (on the H100, Spec-Bench at batch 1, DFlash:
@@ -693,7 +693,9 @@ class DraftGate:
                     b.join_probe = False
                     b.join_misses = 0 if b.best() != 0 else b.join_misses + 1
             return
-        if i == 0 and b.join_wait:
+        if i:  # a drafting step measured the joined text: no probe needed for it
+            b.join_wait = 0
+        elif b.join_wait:
             b.join_wait -= 1
             if not b.join_wait:
                 self._join_probe(b, batch)

@@ -301,6 +301,7 @@ def test_a_bucket_still_measuring_or_probing_or_drafting_is_not_probed_on_a_join
     before = drafting.stats()["1"]["steps"]
     drafting.joined(1, 1)  # drafting already: no probe (its own steps measure the new text)
     assert drafting._buckets[0].probing is None and drafting.stats()["1"]["steps"] == before
+    assert _drive(drafting, 1, denv, batch=1) == [8] and drafting._buckets[0].join_wait == 0  # nor later
 
 
 def test_a_bucket_s_costs_follow_the_batch_it_is_asked_about():
