@@ -51,6 +51,10 @@ class Model:
             out.append(a)
         return out
 
+    def new_request(self, p: float) -> None:
+        """The next request, accepting each drafted token with ``p``."""
+        self.p = p
+
     def seconds(self, batch: int, length: int) -> float:
         return self.plain * batch + (self.fixed + self.per_row * batch * length if length else 0.0)
 
@@ -88,7 +92,8 @@ class NoisyModel(Model):
         self.start_steps, self.start_factor, self.step = start_steps, start_factor, 0
 
     def new_request(self, p: float) -> None:
-        self.p, self.step = p, 0
+        super().new_request(p)
+        self.step = 0
 
     def accepted(self, batch: int, length: int) -> list[int]:
         p = self.p * (self.start_factor if self.step < self.start_steps else 1.0)
@@ -100,9 +105,6 @@ class NoisyModel(Model):
                 a += 1
             out.append(a)
         return out
-
-    def rate(self, batch: int, length: int) -> float:  # a whole request's long-run rate (its start aside)
-        return super().rate(batch, length)
 
 
 class FirstFormGate(DraftGate):
@@ -138,10 +140,7 @@ def run_requests(case: dict, tell: bool, noisy: bool = False, first_form: bool =
     tokens = seconds = fixed_s = oracle_s = 0.0
     fixed_by_length = [0.0] * len(gate.lengths)
     for p in case["ps"]:
-        if noisy:
-            model.new_request(p)
-        else:
-            model.p = p
+        model.new_request(p)
         got, took = _one_request(gate, model, case["tokens"], tell)
         tokens, seconds = tokens + got, seconds + took
         rates = [model.rate(1, n) for n in gate.lengths]

@@ -583,16 +583,18 @@ class DraftGate:
         if n == 0:
             return
         b = self._buckets.get(bucket_of(batch))
-        if (b is None or n > self.JOIN_PROBE_REQUESTS or n / batch < self.JOIN_PROBE or b.probing is not None
-                or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP):
+        if b is None or n > self.JOIN_PROBE_REQUESTS or n / batch < self.JOIN_PROBE or not self._settled(b):
             return
         b.join_wait = self.JOIN_PROBE_AFTER  # a new text: a probe once its first steps are past
+
+    def _settled(self, b: _Bucket) -> bool:
+        """Whether bucket ``b`` is past its first measurements and not probing."""
+        return b.probing is None and b.steps[0] >= self.WARMUP and b.steps[b.start] >= self.WARMUP
 
     def _join_probe(self, b: _Bucket, batch: int) -> None:
         """The probe a join asked for, its wait over: the longest draft, where the bucket holds no
         draft after its first measurements, no probe is under way and it could pay."""
-        if (b.probing is not None or b.steps[0] < self.WARMUP or b.steps[b.start] < self.WARMUP
-                or self._next(b) != 0 or not self._join_probe_pays(b, batch)):
+        if not self._settled(b) or self._next(b) != 0 or not self._join_probe_pays(b, batch):
             return
         b.probing, b.probe_left, b.join_probe = len(self.lengths) - 1, self.PROBE_STEPS, True
         b.run, b.run_s, b.probes = 0, 0.0, b.probes + 1

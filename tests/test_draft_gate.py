@@ -187,24 +187,17 @@ def test_a_drafting_gate_keeps_drafting_through_a_new_answer_s_harder_start():
     probed at once (the first form, bench/gate_sim.py's FirstFormGate), the first steps' draws decided
     and the gate fell to plain steps."""
 
-    def drafted(cls, tell: bool) -> float:
+    def drafted(cls, tell: bool) -> float:  # the share of drafting steps after the first five answers
         gate = cls(8)
+        gate.keep_history(100_000)
         env = GATE_SIM.NoisyModel(0.85, 0.018, 0.0001, seed=3, start_steps=8, start_factor=0.4 / 0.85)
-        steps = drafting = 0
         for r in range(30):
+            if r == 5:
+                mark = len(gate.history)
             env.new_request(0.85)
-            if tell:
-                gate.joined(1, 1)
-            got = 0
-            while got < 96:
-                n = gate.draft_length(1)
-                acc = env.accepted(1, n)
-                gate.record(1, n, acc, env.seconds(1, n))
-                got += 1 + acc[0]
-                if r >= 5:
-                    steps += 1
-                    drafting += n > 0
-        return drafting / steps
+            GATE_SIM._one_request(gate, env, 96, tell)
+        later = list(gate.history)[mark:]
+        return sum(s.length > 0 for s in later) / len(later)
 
     told, untold, first = drafted(DraftGate, True), drafted(DraftGate, False), drafted(GATE_SIM.FirstFormGate, True)
     # untold, it falls to plain steps at some starts too, and only a probe's interval later drafts again
